@@ -1,0 +1,28 @@
+"""EngineConfig: what an EpicEngine runs (model, default policy, store, dtype, sizes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .models import DEFAULT_MODEL
+from .policy import parse_policy
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    policy: str = "legolink-16"          # default link policy; each request may override it
+    store: str = "memory"                # chunk store spec (see epic_rag.store.open_store)
+    dtype: str = "auto"                  # auto: fp32 on CPUs without native bf16, bf16 on GPUs
+    max_model_len: int = 8192
+    max_num_seqs: int = 16
+    kv_cache_gib: float = 2.0            # CPU: VLLM_CPU_KVCACHE_SPACE
+    gpu_memory_utilization: float = 0.3  # CPU: fraction of the NUMA node's RAM vLLM may take
+    max_num_batched_tokens: int = 4096
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        parse_policy(self.policy)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len < 16:
+            raise ValueError("max_model_len must be at least 16")

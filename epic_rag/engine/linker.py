@@ -1,0 +1,191 @@
+"""LegoLink linker: assemble a request's KV from compiled chunks and recompute a few tokens.
+
+Runs on the worker, inside vLLM's step, before the forward. For each layer it:
+1. fills a K/V buffer for positions [0, T) with every linked chunk's cached KV, keys rotated to their
+   real positions;
+2. runs the model's own decoder layer on the hidden states of the recompute set R only, with its
+   attention module swapped for `_LinkAttention`, which writes R's fresh K/V into the buffer and attends
+   over the buffer with a position-causal mask (architecture details stay in vLLM's model code);
+3. writes the buffer's [start, end) into vLLM's paged cache through the layout accessor.
+
+Recompute sets (R always holds every token without a cache: template glue, system prompt):
+- naive: nothing else;  legolink-k: the first k tokens of each chunk;  legolink-0: nothing else
+  (chunks were compiled behind dummy tokens);
+- cacheblend-r: every token through layers 0..CHECK_LAYER; at CHECK_LAYER the chunk tokens whose
+  *keys* deviate most from the cache (L2 over heads and dims, after re-rotation: LMCache's rule)
+  are kept, the top r fraction, and only they (plus uncached tokens) are recomputed in later layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..policy import Policy
+from ..store import ChunkKV
+from .layout import KVLayout, slots_for
+from .rope import KeyRotator
+
+CHECK_LAYER = 1  # CacheBlend selects its tokens from the deviation at this layer
+
+
+@dataclass(slots=True)
+class LinkSpan:
+    start: int          # first prompt position of the chunk
+    kv: ChunkKV
+
+
+@dataclass(slots=True)
+class LinkJob:
+    """Everything the worker needs to link one request (held in-process, referenced by job_id)."""
+
+    job_id: str
+    token_ids: list[int]           # prompt[:claim]
+    spans: list[LinkSpan]
+    policy: Policy
+    recomputed: int = 0            # filled by the linker: tokens recomputed in the last layer
+    error: str | None = None
+
+    def initial_recompute(self) -> torch.Tensor:
+        """Sorted positions recomputed from layer 0 on.  # -> [nR] int64"""
+        T = len(self.token_ids)
+        cached = torch.zeros(T, dtype=torch.bool)
+        head = torch.zeros(T, dtype=torch.bool)
+        for s in self.spans:
+            cached[s.start: s.start + s.kv.num_tokens] = True
+            if self.policy.kind == "legolink":
+                head[s.start: s.start + min(self.policy.k, s.kv.num_tokens)] = True
+        if self.policy.kind == "cacheblend":
+            return torch.arange(T)
+        return torch.nonzero(~cached | head).flatten()
+
+    def chunk_mask(self) -> torch.Tensor:
+        T = len(self.token_ids)
+        m = torch.zeros(T, dtype=torch.bool)
+        for s in self.spans:
+            m[s.start: s.start + s.kv.num_tokens] = True
+        return m
+
+
+class _LinkAttention(torch.nn.Module):
+    """Stands in for vLLM's Attention during the sparse forward of one layer.
+
+    Gets post-RoPE q, k, v of the recompute set R, stores k, v into the layer's K/V buffers at R,
+    and attends each query over buffer positions <= its own.
+    """
+
+    def __init__(self, real: torch.nn.Module, K: torch.Tensor, V: torch.Tensor, R: torch.Tensor) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = real.num_heads, real.num_kv_heads
+        self.head_size, self.scale = real.head_size, real.impl.scale
+        self.K, self.V, self.R = K, V, R      # K, V: [T, Hkv, D] fp32; R: [nR]
+        self.old_k: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        Hq, Hk, D = self.num_heads, self.num_kv_heads, self.head_size
+        R = self.R
+        self.old_k = self.K[R].clone()
+        self.K[R] = k.view(-1, Hk, D).float()
+        self.V[R] = v.view(-1, Hk, D).float()
+        T = int(R[-1]) + 1
+        # q: [1, Hq, nR, D]; K/V: [1, Hkv, T, D]
+        qh = q.view(-1, Hq, D).transpose(0, 1).unsqueeze(0)
+        Kh = self.K[:T].to(q.dtype).transpose(0, 1).unsqueeze(0)
+        Vh = self.V[:T].to(q.dtype).transpose(0, 1).unsqueeze(0)
+        mask = torch.arange(T, device=R.device)[None, :] <= R[:, None]       # [nR, T]
+        o = F.scaled_dot_product_attention(qh, Kh, Vh, attn_mask=mask, scale=self.scale,
+                                           enable_gqa=Hq != Hk)
+        return o.squeeze(0).transpose(0, 1).reshape(-1, Hq * D)
+
+
+def _find_attention(layer: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.Module]:
+    """(parent, attribute name, module) of the vLLM Attention inside a decoder layer."""
+    for name, mod in layer.named_modules():
+        if type(mod).__name__ == "Attention" and hasattr(mod, "impl"):
+            parent_name, _, attr = name.rpartition(".")
+            return layer.get_submodule(parent_name), attr, mod
+    raise RuntimeError(f"no vLLM Attention module in {type(layer).__name__}")
+
+
+@dataclass
+class Linker:
+    """Worker-side linker over one vLLM model (attached once, after the KV caches exist)."""
+
+    model: torch.nn.Module
+    kv_caches: dict[str, torch.Tensor]
+    layout: KVLayout
+    rotator: KeyRotator
+    block_size: int
+    layers: list[torch.nn.Module] = field(init=False)
+    attn: list[tuple[torch.nn.Module, str, torch.nn.Module]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        inner = self.model.model
+        self.layers = list(inner.layers)[inner.start_layer: inner.end_layer] if hasattr(inner, "start_layer") \
+            else list(inner.layers)
+        self.attn = [_find_attention(layer) for layer in self.layers]
+        self._embed = getattr(inner, "embed_input_ids", None) or inner.embed_tokens
+
+    def cache_of(self, li: int) -> torch.Tensor:
+        return self.kv_caches[self.attn[li][2].layer_name]
+
+    @torch.inference_mode()
+    def link(self, job: LinkJob, block_ids: list[int], start: int, end: int) -> None:
+        """Fill positions [start, end) of the request's paged KV in every layer."""
+        device = self.cache_of(0).device
+        T = len(job.token_ids)
+        assert end <= T, (end, T)
+        R = job.initial_recompute().to(device)
+        chunk = job.chunk_mask().to(device)
+        h = self._embed(torch.tensor(job.token_ids, device=device)[R])
+        residual = None
+        slots = slots_for(block_ids, torch.arange(start, end), self.block_size).to(device)
+        first = self.attn[0][2]
+        Hk, D = first.num_kv_heads, first.head_size
+        for li, layer in enumerate(self.layers):
+            K = torch.zeros((T, Hk, D), dtype=torch.float32, device=device)   # K, V: [T, Hkv, D]
+            V = torch.zeros_like(K)
+            for s in job.spans:
+                n = s.kv.num_tokens
+                K[s.start: s.start + n] = self.rotator.rotate(s.kv.k[li].to(device), s.start - s.kv.base_pos)
+                V[s.start: s.start + n] = s.kv.v[li].to(device).float()
+            if len(R):
+                parent, attr, real = self.attn[li]
+                shim = _LinkAttention(real, K, V, R)
+                setattr(parent, attr, shim)
+                try:
+                    h, residual = layer(R, h, residual)
+                finally:
+                    setattr(parent, attr, real)
+                if job.policy.kind == "cacheblend" and li == CHECK_LAYER:
+                    h, residual, R = self._blend_select(job.policy, R, chunk, K, shim.old_k, h, residual)
+            self.layout.write(self.cache_of(li), slots, K[start:end], V[start:end])
+        job.recomputed = int(len(R))
+
+    @staticmethod
+    def _blend_select(policy: Policy, R, chunk, K, old_k, h, residual):
+        """CacheBlend token selection at the check layer (R covers every position here)."""
+        dev = (K[R] - old_k).float().pow(2).sum(dim=(1, 2))        # [nR]
+        is_chunk = chunk[R]
+        n_keep = int(round(policy.ratio * int(is_chunk.sum())))
+        keep = ~is_chunk
+        if n_keep > 0:
+            scores = torch.where(is_chunk, dev, torch.full_like(dev, -1.0))
+            keep[torch.topk(scores, n_keep).indices] = True
+        idx = torch.nonzero(keep).flatten()
+        return h[idx], (residual[idx] if residual is not None else None), R[idx]
+
+    @torch.inference_mode()
+    def capture(self, block_ids: list[int], start: int, end: int, k_out: torch.Tensor, v_out: torch.Tensor,
+                offset: int = 0) -> None:
+        """Copy positions [start, end) of a request's paged KV into k_out/v_out: [L, T, Hkv, D] at t - offset."""
+        slots = slots_for(block_ids, torch.arange(start, end), self.block_size).to(self.cache_of(0).device)
+        lo, hi = max(start, offset), end
+        if hi <= lo:
+            return
+        keep = slice(lo - start, hi - start)
+        for li in range(len(self.layers)):
+            k, v = self.layout.read(self.cache_of(li), slots)      # [n, Hkv, D]
+            k_out[li, lo - offset: hi - offset] = k[keep].to(k_out.device)
+            v_out[li, lo - offset: hi - offset] = v[keep].to(v_out.device)

@@ -1,0 +1,127 @@
+"""vLLM's LLMEngine run in-process by one stepping thread, with per-request output streams.
+
+Callers (sync threads or asyncio tasks) submit requests; the thread adds them between steps (the
+engine core is not thread-safe), steps while anything is unfinished, and routes each delta to its
+request's sink. Many concurrent requests are batched by vLLM's scheduler.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Delta:
+    """One step's new output of a request."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    t: float
+
+
+@dataclass
+class _Pending:
+    req_id: str
+    prompt: Any
+    params: Any
+    sink: Callable[[Delta | BaseException], None]
+
+
+@dataclass
+class Runtime:
+    llm: Any                                   # vllm.v1.engine.llm_engine.LLMEngine
+    _inbox: "queue.SimpleQueue[_Pending | tuple[str, str]]" = field(default_factory=queue.SimpleQueue)
+    _sinks: dict[str, Callable] = field(default_factory=dict)
+    _wake: threading.Event = field(default_factory=threading.Event)
+    _stop: bool = False
+    _thread: threading.Thread | None = None
+    fatal: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="epic-rag-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, req_id: str, prompt: Any, params: Any, sink: Callable[[Delta | BaseException], None]) -> None:
+        if self.fatal is not None:
+            raise RuntimeError(f"engine stopped after a fatal error: {self.fatal}")
+        self._inbox.put(_Pending(req_id, prompt, params, sink))
+        self._wake.set()
+
+    def abort(self, req_id: str) -> None:
+        self._inbox.put(("abort", req_id))
+        self._wake.set()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread between steps (for engine-core calls) and return its result."""
+        box: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._inbox.put(("call", (fn, box)))
+        self._wake.set()
+        ok, val = box.get()
+        if not ok:
+            raise val
+        return val
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Pending):
+                try:
+                    self.llm.add_request(item.req_id, item.prompt, item.params)
+                    self._sinks[item.req_id] = item.sink
+                except BaseException as e:  # bad request: tell the caller, keep serving
+                    item.sink(e)
+            elif item[0] == "abort":
+                if self._sinks.pop(item[1], None) is not None:
+                    self.llm.abort_request([item[1]])
+            elif item[0] == "call":
+                fn, box = item[1]
+                try:
+                    box.put((True, fn()))
+                except BaseException as e:
+                    box.put((False, e))
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._drain()
+            if not self.llm.has_unfinished_requests():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.llm.step()
+            except BaseException as e:
+                log.exception("engine step failed")
+                self.fatal = e
+                for sink in self._sinks.values():
+                    sink(e)
+                self._sinks.clear()
+                return
+            now = time.perf_counter()
+            for out in outputs:
+                rid = out.request_id
+                sink = self._sinks.get(rid)
+                if sink is None:
+                    continue
+                c = out.outputs[0] if out.outputs else None
+                d = Delta(text=c.text if c else "", token_ids=list(c.token_ids) if c else [],
+                          finished=out.finished, finish_reason=c.finish_reason if c else None, t=now)
+                if out.finished:
+                    del self._sinks[rid]
+                sink(d)

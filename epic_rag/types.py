@@ -1,0 +1,52 @@
+"""Boundary dataclasses of the public API (engine <-> callers)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """A compiled chunk: `key` addresses its KV in the chunk store (content-derived)."""
+
+    key: str
+    num_tokens: int
+    text: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A chunk given as text inside a segment list (compiled on the fly when missing)."""
+
+    text: str
+
+
+# One piece of a pre-rendered prompt: a plain string is literal glue text (never cached),
+# a Chunk or ChunkRef is a position-independent chunk.
+Segment = str | Chunk | ChunkRef
+
+
+@dataclass(slots=True)
+class RagRequest:
+    """A question over retrieved chunks, rendered through the model's chat template."""
+
+    question: str
+    chunks: list[str | ChunkRef] = field(default_factory=list)
+    system: str | None = None
+
+
+@dataclass(slots=True)
+class Generation:
+    """Result of one request, with the linking figures that explain its TTFT."""
+
+    text: str
+    token_ids: list[int]
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    linked_tokens: int        # prompt tokens whose KV came from compiled chunks
+    recomputed_tokens: int    # prompt tokens the linker recomputed (chunk heads, glue, blend picks)
+    chunk_hits: int
+    chunk_misses: int
+    policy: str
+    finish_reason: str | None = None
+    chunk_keys: list[str] = field(default_factory=list)
