@@ -15,7 +15,7 @@ class EngineConfig:
     dtype: str = "auto"                  # auto: fp32 on CPUs without native bf16, bf16 on GPUs
     max_model_len: int = 8192
     max_num_seqs: int = 16
-    kv_cache_gib: float = 2.0            # CPU: VLLM_CPU_KVCACHE_SPACE
+    kv_cache_gib: int = 2                # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
     gpu_memory_utilization: float = 0.3  # CPU: fraction of the NUMA node's RAM vLLM may take
     max_num_batched_tokens: int = 4096
     seed: int = 0

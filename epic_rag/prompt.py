@@ -9,7 +9,7 @@ import uuid
 
 from .types import Chunk, ChunkRef, RagRequest, Segment
 
-DEFAULT_INSTRUCTION = "Answer the question using the documents below.\n\n"
+DEFAULT_INSTRUCTION = "Read the documents and answer the question briefly.\n\n"
 
 
 def render_request(tokenizer, req: RagRequest) -> list[Segment]:

@@ -66,7 +66,7 @@ class EpicEngine:
         _prepare_env()
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(config.kv_cache_gib))
         dtype = config.dtype
         if dtype == "auto":
             dtype = "bfloat16" if (not on_cpu or _cpu_has_fast_bf16()) else "float32"

@@ -1,0 +1,16 @@
+.PHONY: setup test demo bench
+VENV := .venv/bin
+
+setup:
+	@bash scripts/setup.sh
+
+# The README's test command: sets up what is missing, then runs every test on CPU.
+test: setup
+	$(VENV)/python -m pytest -q -ra tests
+
+# The README's main command: sets up what is missing, then runs the main job on the embedded default.
+demo: setup
+	$(VENV)/epic-rag ask --question "What does the json module's dumps function do?" --docs builtin:pydoc
+
+bench: setup
+	$(VENV)/python bench/bench_link.py

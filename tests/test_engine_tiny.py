@@ -1,0 +1,160 @@
+"""Exactness of compile + link on a tiny random Llama (fp32)."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from epic_rag import Chunk, ChunkRef, RagRequest
+
+CHUNKS = [
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n",
+    "import os\nimport sys\nprint(os.path.join(sys.prefix, 'lib'))\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n        self.items.append(x)\n",
+]
+QUESTION = "which function subtracts?"
+
+
+def _req(chunks=CHUNKS):
+    return RagRequest(question=QUESTION, chunks=list(chunks))
+
+
+def test_legolink_with_k_at_least_chunk_length_equals_full(tiny_engine):
+    full = tiny_engine.generate(_req(), max_tokens=16, policy="full")
+    linked = tiny_engine.generate(_req(), max_tokens=16, policy="legolink-4096")
+    assert linked.chunk_hits + linked.chunk_misses == len(CHUNKS)
+    assert linked.token_ids == full.token_ids
+
+
+def test_single_chunk_at_position_zero_equals_exact_prefix(tiny_engine):
+    # The compiled chunk is exactly the KV of the prompt's prefix: naive linking (no recompute) is exact.
+    segs = [Chunk(CHUNKS[2]), "\n# what does push do?\n"]
+    full = tiny_engine.generate(segs, max_tokens=16, policy="full")
+    linked = tiny_engine.generate(segs, max_tokens=16, policy="naive")
+    assert linked.linked_tokens > 0 and linked.recomputed_tokens < full.recomputed_tokens
+    assert linked.token_ids == full.token_ids
+
+
+def test_naive_differs_from_full_when_chunks_follow_context(tiny_engine):
+    # Chunks after other text were compiled without that context: reusing them unchanged is approximate.
+    full = tiny_engine.generate(_req(), max_tokens=16, policy="full")
+    naive = tiny_engine.generate(_req(), max_tokens=16, policy="naive")
+    assert naive.recomputed_tokens < full.prompt_tokens
+    assert naive.token_ids != full.token_ids
+
+
+def test_every_permutation_links_without_recompiling(tiny_engine):
+    tiny_engine.compile(CHUNKS)
+    for perm in itertools.permutations(CHUNKS):
+        g = tiny_engine.generate(_req(perm), max_tokens=2, policy="legolink-4")
+        assert g.chunk_misses == 0 and g.chunk_hits == len(CHUNKS)
+
+
+def test_compile_returns_content_keys_independent_of_order(tiny_engine):
+    a = tiny_engine.compile(CHUNKS)
+    b = tiny_engine.compile(list(reversed(CHUNKS)))
+    assert [r.key for r in a] == [r.key for r in reversed(b)]
+    assert all(isinstance(r, ChunkRef) and r.num_tokens > 0 for r in a)
+    assert len({r.key for r in a}) == len(CHUNKS)
+
+
+def test_chunk_refs_link_like_texts(tiny_engine):
+    refs = tiny_engine.compile(CHUNKS)
+    by_text = tiny_engine.generate(_req(), max_tokens=8, policy="legolink-4")
+    by_ref = tiny_engine.generate(_req(refs), max_tokens=8, policy="legolink-4")
+    assert by_ref.token_ids == by_text.token_ids
+
+
+def test_linked_kv_never_served_to_exact_requests(tiny_engine):
+    # Run a linked request first, then the same prompt with full recompute: the prefix cache must not
+    # hand the linked (approximate) KV to the exact request.
+    first_full = tiny_engine.generate(_req(), max_tokens=12, policy="full")
+    tiny_engine.generate(_req(), max_tokens=12, policy="naive")
+    again = tiny_engine.generate(_req(), max_tokens=12, policy="full")
+    assert again.token_ids == first_full.token_ids
+
+
+def test_legolink0_compiles_a_separate_variant(tiny_engine):
+    g = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-0")
+    assert all(k.startswith("dummy3-") for k in g.chunk_keys)
+    g2 = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-0")
+    assert g2.chunk_misses == 0
+
+
+def test_cacheblend_recomputes_a_fraction_of_chunk_tokens(tiny_engine):
+    g0 = tiny_engine.generate(_req(), max_tokens=4, policy="naive")
+    g15 = tiny_engine.generate(_req(), max_tokens=4, policy="cacheblend-15")
+    g100 = tiny_engine.generate(_req(), max_tokens=16, policy="cacheblend-100")
+    full = tiny_engine.generate(_req(), max_tokens=16, policy="full")
+    chunk_tokens = g0.linked_tokens
+    assert g15.recomputed_tokens - g0.recomputed_tokens == round(0.15 * chunk_tokens)
+    assert g100.token_ids == full.token_ids
+
+
+def test_stream_yields_the_same_text_as_generate(tiny_engine):
+    g = tiny_engine.generate(_req(), max_tokens=10, policy="legolink-4")
+    pieces = list(tiny_engine.stream(_req(), max_tokens=10, policy="legolink-4"))
+    assert len(pieces) >= 1 and "".join(pieces) == g.text
+
+
+async def test_async_generate_and_stream_match_sync(tiny_engine):
+    g = tiny_engine.generate(_req(), max_tokens=10, policy="legolink-4")
+    ag = await tiny_engine.agenerate(_req(), max_tokens=10, policy="legolink-4")
+    pieces = [p async for p in tiny_engine.astream(_req(), max_tokens=10, policy="legolink-4")]
+    assert ag.token_ids == g.token_ids and "".join(pieces) == g.text
+
+
+async def test_concurrent_requests_are_batched_and_each_exact(tiny_engine):
+    import asyncio
+
+    perms = list(itertools.permutations(CHUNKS))
+    refs = [tiny_engine.generate(_req(p), max_tokens=8, policy="full").token_ids for p in perms]
+    got = await asyncio.gather(*[tiny_engine.agenerate(_req(p), max_tokens=8, policy="legolink-4096")
+                                 for p in perms])
+    assert [g.token_ids for g in got] == refs
+
+
+@pytest.mark.parametrize("bad, match", [
+    (RagRequest(question="q", chunks=[]), None),
+])
+def test_empty_chunk_list_is_plain_generation(tiny_engine, bad, match):
+    g = tiny_engine.generate(bad, max_tokens=4, policy="legolink-16")
+    assert g.chunk_hits == g.chunk_misses == 0 and g.linked_tokens == 0
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: RagRequest(question="q", chunks=[""]), "empty"),
+    (lambda: RagRequest(question="q", chunks=["   \n\t "]), "empty"),
+    (lambda: RagRequest(question="   ", chunks=["x"]), "question"),
+    (lambda: RagRequest(question="q", chunks=["word " * 3000]), "context window"),
+    (lambda: RagRequest(question="q", chunks=[ChunkRef("plain-doesnotexist", 3)]), "not in the store"),
+    (lambda: RagRequest(question="q", chunks=[42]), "string"),
+    (lambda: "just a string", "RagRequest"),
+])
+def test_bad_requests_raise_clear_errors_and_engine_keeps_serving(tiny_engine, make, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_engine.generate(make(), max_tokens=4)
+    assert tiny_engine.generate(_req(), max_tokens=2).token_ids
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"policy": "legolink"}, "unknown policy"),
+    ({"policy": "cacheblend-500"}, "unknown policy"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"temperature": -1.0}, "temperature"),
+])
+def test_bad_generation_arguments_raise(tiny_engine, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_engine.generate(_req(), **kwargs)
+    assert tiny_engine.generate(_req(), max_tokens=2).token_ids
+
+
+def test_compile_rejects_bad_chunks_without_storing_anything(tiny_engine):
+    before = set(tiny_engine.store.keys())
+    with pytest.raises(ValueError):
+        tiny_engine.compile(["fine chunk text", "  "])
+    with pytest.raises(ValueError):
+        tiny_engine.compile("a single string")
+    assert set(tiny_engine.store.keys()) == before

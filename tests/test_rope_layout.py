@@ -1,0 +1,113 @@
+"""Key rotation against vLLM's own rotary modules, and the paged-KV accessors (no engine needed)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epic_rag.engine.layout import CpuAttnLayout, FlashAttnLayout, LayoutError, slots_for
+from epic_rag.engine.rope import KeyRotator, RopeError
+
+ROPES = {
+    "default": {"rope_theta": 10000.0, "rope_type": "default"},
+    "linear": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
+    "yarn": {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
+             "original_max_position_embeddings": 1024},
+}
+
+
+def _rope(params, head=64, neox=True):
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        return get_rope(head, max_position=8192, rope_parameters=dict(params), is_neox_style=neox,
+                        dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+@pytest.mark.parametrize("neox", [True, False])
+def test_rotated_keys_equal_keys_computed_at_the_real_position(kind, neox):
+    rope = _rope(ROPES[kind], neox=neox)
+    rot = KeyRotator(rope)
+    n, H, D, delta = 40, 3, 64, 1777
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(n, H * D, generator=g) * 5
+    q = torch.zeros_like(raw)
+    _, k0 = rope.forward_native(torch.arange(n), q.clone(), raw.clone())             # compiled at 0..n-1
+    _, kp = rope.forward_native(torch.arange(n) + delta, q.clone(), raw.clone())     # linked at delta..
+    shifted = rot.rotate(k0.view(n, H, D), delta)
+    err = (shifted - kp.view(n, H, D)).abs().max().item()
+    assert err < 2e-4 * kp.abs().max().item(), err
+
+
+def test_rotation_by_zero_is_identity_and_out_of_table_shift_is_refused():
+    rot = KeyRotator(_rope(ROPES["default"]))
+    k = torch.randn(5, 2, 64)
+    assert torch.equal(rot.rotate(k, 0), k)
+    with pytest.raises(RopeError):
+        rot.rotate(k, 10**7)
+
+
+def test_non_shiftable_rope_is_refused():
+    class DynamicNTKScalingRotaryEmbedding(torch.nn.Module):
+        pass
+
+    with pytest.raises(RopeError, match="not position-shiftable"):
+        KeyRotator(DynamicNTKScalingRotaryEmbedding())
+
+
+def test_slots_follow_the_block_table():
+    # positions 0..250 step 50, block size 128 -> blocks (7, 7, 7, 3, 3, 3), offsets (0, 50, 100, 22, 72, 122)
+    slots = slots_for([7, 3, 9], torch.arange(0, 300, 50), 128)
+    assert slots.tolist() == [896, 946, 996, 406, 456, 506]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_layout_reads_back_what_vllms_write_op_stored(dtype):
+    layout = CpuAttnLayout("vec")
+    like = torch.empty((4, 3, 128, 2 * 64), dtype=dtype)
+    layout.self_check(like)  # raises LayoutError on mismatch
+
+
+def test_cpu_layout_stores_keys_transposed_per_block():
+    layout = CpuAttnLayout("vec")
+    cache = torch.zeros((2, 1, 32, 2 * 32))
+    k = torch.arange(32, dtype=torch.float32).view(1, 1, 32)
+    v = -torch.arange(32, dtype=torch.float32).view(1, 1, 32)
+    layout.write(cache, torch.tensor([32 + 5]), k, v)
+    flat = cache[1, 0].reshape(-1)
+    kpart = flat[: 32 * 32].view(32, 32)        # [D, N]
+    assert torch.equal(kpart[:, 5], k.flatten())
+    vpart = flat[32 * 32:].view(32, 32)         # [N, D]
+    assert torch.equal(vpart[5], v.flatten())
+
+
+def test_unknown_cpu_isa_is_refused():
+    with pytest.raises(LayoutError, match="amx"):
+        CpuAttnLayout("amx")
+
+
+def test_flash_attention_layout_logic_on_cpu_tensors():
+    # CUDA FlashAttention's per-layer cache: logical [B, H, N, 2D], K = [..., :D], V = [..., D:].
+    # vLLM's own write path (do_kv_cache_update) views it as transpose(1, 2).split(D, -1).
+    layout = FlashAttnLayout()
+    B, H, N, D = 4, 2, 16, 8
+    cache = torch.zeros((B, H, N, 2 * D))
+    layout.self_check(cache)
+    slots = torch.tensor([16 + 3, 48 + 15])
+    k, v = torch.randn(2, H, D), torch.randn(2, H, D)
+    layout.write(cache, slots, k, v)
+    key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)     # as vLLM reads it: [B, N, H, D]
+    assert torch.equal(key_cache[1, 3], k[0]) and torch.equal(value_cache[3, 15], v[1])
+
+
+def test_a_layout_that_scrambles_data_fails_its_self_check():
+    class Broken(FlashAttnLayout):
+        def read(self, cache, slots):
+            k, v = super().read(cache, slots)
+            return v, k
+
+    with pytest.raises(LayoutError):
+        Broken().self_check(torch.zeros((3, 2, 16, 16)))
