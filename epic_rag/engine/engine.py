@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig
+from ..matching import ChunkTextIndex
 from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
 from ..policy import DUMMY_PREFIX_LEN, Policy, parse_policy
 from ..prompt import check_chunk_text, encode_text, render_request
@@ -94,6 +95,7 @@ class EpicEngine:
         self.max_model_len = config.max_model_len
         self._inflight: dict[str, Future] = {}
         self._inflight_lock = threading.Lock()
+        self.text_index = ChunkTextIndex()  # compiled chunk texts, found again inside rendered prompts
         self.runtime = Runtime(self._llm)
         self.runtime.start()
 
@@ -113,7 +115,10 @@ class EpicEngine:
         texts = [check_chunk_text(c) for c in chunks]
         toks = [self._chunk_tokens(t) for t in texts]
         kvs, _ = self._resolve([(tk, variant) for tk in toks])
-        return [ChunkRef(kv.key, kv.num_tokens, t) for kv, t in zip(kvs, texts)]
+        refs = [ChunkRef(kv.key, kv.num_tokens, t) for kv, t in zip(kvs, texts)]
+        for r in refs:
+            self.text_index.add(r)
+        return refs
 
     def _chunk_tokens(self, text: str) -> list[int]:
         ids = encode_text(self.tokenizer, text)
@@ -198,9 +203,18 @@ class EpicEngine:
     def _segments(self, request: RagRequest | Sequence[Segment]) -> list[Segment]:
         if isinstance(request, RagRequest):
             return render_request(self.tokenizer, request)
-        if isinstance(request, (str, bytes)) or not isinstance(request, Sequence):
-            raise ValueError("request must be a RagRequest or a list of segments (str | Chunk | ChunkRef)")
+        if isinstance(request, str):  # a prompt a framework rendered: compiled chunk texts in it are linked
+            return self.text_index.split(request)
+        if isinstance(request, bytes) or not isinstance(request, Sequence):
+            raise ValueError("request must be a RagRequest, a prompt string or a list of segments "
+                             "(str | Chunk | ChunkRef)")
         return list(request)
+
+    def render_messages(self, messages: Sequence[dict]) -> list[Segment]:
+        """Chat-template role/content messages (generation prompt added); compiled chunk texts found in
+        the result become ChunkRef segments."""
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return self.text_index.split(text)
 
     def _build(self, segments: list[Segment], policy: Policy) -> _Prompt:
         ids: list[int] = []
