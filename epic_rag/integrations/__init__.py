@@ -1,0 +1,10 @@
+"""Framework integrations (import the submodule you need; each needs its extra installed):
+
+- `epic_rag.integrations.llamaindex`: EpicLLM, EpicChunkCompiler, EpicSynthesizer  (extra: llamaindex)
+- `epic_rag.integrations.langchain`: ChatEpic, create_epic_rag_chain               (extra: langchain)
+
+All wrappers share one engine per process (see `set_shared_engine` / `shared_engine`).
+"""
+from ._shared import STAT_KEYS, adopt_engine, generation_stats, set_shared_engine, shared_engine
+
+__all__ = ["STAT_KEYS", "adopt_engine", "generation_stats", "set_shared_engine", "shared_engine"]

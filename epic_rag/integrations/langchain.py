@@ -1,0 +1,346 @@
+"""LangChain integration: `ChatEpic` (a chat model) and `create_epic_rag_chain` (retriever -> engine).
+
+- `ChatEpic` renders messages through the model's chat template; compiled chunk texts found in the result
+  (e.g. documents a `create_stuff_documents_chain` prompt inserted) are linked from cache. Passing
+  `chunks=[...]` (texts, ChunkRefs or Documents) per call, e.g. `model.invoke(question, chunks=docs)`,
+  hands them to the engine explicitly as a RagRequest instead.
+- `create_epic_rag_chain(retriever, ...)` is a Runnable: question -> retriever -> engine, with the retrieved
+  Documents passed as chunks (no prompt matching); invoke/stream/batch and their async forms.
+
+`AIMessage.response_metadata` carries model_name, finish_reason and the linking figures (ttft_s, total_s,
+prompt_tokens, linked_tokens, recomputed_tokens, chunk_hits, chunk_misses, policy, completion_tokens,
+chunk_keys); `usage_metadata` counts linked prompt tokens as `input_token_details.cache_read`.
+For streams they arrive on the last chunk.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from langchain_core.runnables.config import patch_config
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from ..config import EngineConfig
+from ..engine.runtime import Delta
+from ..types import ChunkRef, Generation, RagRequest
+from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, shared_engine
+
+__all__ = ["ChatEpic", "EpicRagChain", "create_epic_rag_chain"]
+
+
+def _text(content: Any, role: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content or []:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(str(block.get("text", "")))
+        elif isinstance(block, dict) and block.get("type") in ("reasoning", "thinking"):
+            continue
+        else:
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise ValueError(f"ChatEpic takes text only; got a {kind!r} block in a {role} message")
+    return "".join(parts)
+
+
+def _role(m: BaseMessage) -> str:
+    if isinstance(m, SystemMessage):
+        return "system"
+    if isinstance(m, HumanMessage):
+        return "user"
+    if isinstance(m, AIMessage):
+        return "assistant"
+    if isinstance(m, (ToolMessage, FunctionMessage)):
+        return "tool"
+    if isinstance(m, ChatMessage):
+        return {"human": "user", "ai": "assistant", "developer": "system"}.get(m.role, m.role)
+    raise ValueError(f"unsupported message type {type(m).__name__}")
+
+
+def _chunk(c: Any) -> str | ChunkRef:
+    if isinstance(c, Document):
+        return c.page_content
+    if isinstance(c, (str, ChunkRef)):
+        return c
+    raise ValueError(f"chunks must be str, ChunkRef or Document, got {type(c).__name__}")
+
+
+class ChatEpic(BaseChatModel):
+    """A LangChain chat model on an embedded EpicEngine (the process's shared engine unless one is given).
+
+    Construction is cheap: without `engine=`, the shared engine is created on the first call.
+    Per call: `max_tokens`, `temperature`, `stop`, `policy`, `chunks`.
+    """
+
+    model: str | None = Field(default=None, description="Model the engine serves (default: the engine's).")
+    max_tokens: int = Field(default=256, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0, le=5.0)
+    stop: list[str] | None = None
+    policy: str | None = Field(default=None, description="Link policy (default: the engine's).")
+    streaming: bool = Field(default=False, description="invoke() streams internally (callbacks per token).")
+    engine_config: Any = Field(default=None, exclude=True,
+                                               description="Config for the shared engine if none exists yet.")
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    _engine: Any = PrivateAttr(default=None)
+
+    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+        if engine is not None and not kwargs.get("model"):
+            kwargs["model"] = model_label(engine)
+        super().__init__(**kwargs)
+        if engine is not None:
+            self._engine = adopt_engine(engine)
+
+    @property
+    def engine(self):
+        """The engine (created or shared on first use)."""
+        if self._engine is None:
+            self._engine = shared_engine(self.model, self.engine_config)
+        return self._engine
+
+    @property
+    def _llm_type(self) -> str:
+        return "epic-rag"
+
+    @property
+    def model_name(self) -> str:
+        if self.model:
+            return self.model
+        eng = self._engine or peek_shared_engine()
+        if eng is not None:
+            return model_label(eng)
+        return (self.engine_config or EngineConfig()).model
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "max_tokens": self.max_tokens, "temperature": self.temperature,
+                "policy": self.policy}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider="epic_rag", ls_model_type="chat",
+                                 ls_model_name=kwargs.get("model") or self.model_name,
+                                 ls_temperature=float(kwargs.get("temperature", self.temperature)),
+                                 ls_max_tokens=int(kwargs.get("max_tokens") or self.max_tokens))
+        stop = stop or kwargs.get("stop") or self.stop
+        if stop:
+            params["ls_stop"] = list(stop)
+        return params
+
+    # ------------------------------------------------------------------ requests
+    def _gen_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        model = kwargs.get("model")
+        if model and model != self.model_name:
+            raise ValueError(f"this engine serves {self.model_name!r}; it cannot switch to {model!r} per call")
+        stop = stop or kwargs.get("stop") or self.stop
+        return {"max_tokens": int(kwargs.get("max_tokens") or self.max_tokens),
+                "temperature": float(kwargs.get("temperature", self.temperature)),
+                "policy": kwargs.get("policy", self.policy),
+                "stop": list(stop) if stop else None}
+
+    def _request(self, messages: Sequence[BaseMessage], kwargs: dict[str, Any]):
+        chunks = kwargs.get("chunks")
+        if chunks is not None:
+            system = [_text(m.content, "system") for m in messages if isinstance(m, SystemMessage)]
+            rest = [m for m in messages if not isinstance(m, SystemMessage)]
+            if len(rest) != 1 or not isinstance(rest[0], HumanMessage):
+                raise ValueError("with chunks=, the messages must be system messages and one question")
+            return RagRequest(question=_text(rest[0].content, "user"), chunks=[_chunk(c) for c in chunks],
+                              system="\n\n".join(system) or None)
+        if not messages:
+            raise ValueError("no messages")
+        dicts = [{"role": _role(m), "content": _text(m.content, _role(m))} for m in messages]
+        return self.engine.render_messages(dicts)
+
+    def _metadata(self, g: Generation) -> dict[str, Any]:
+        return {"model_name": self.model_name, "model_provider": "epic_rag", **generation_stats(g)}
+
+    @staticmethod
+    def _usage(g: Generation) -> UsageMetadata:
+        out = len(g.token_ids)
+        return UsageMetadata(input_tokens=g.prompt_tokens, output_tokens=out, total_tokens=g.prompt_tokens + out,
+                             input_token_details={"cache_read": g.linked_tokens})
+
+    def _result(self, g: Generation) -> ChatResult:
+        msg = AIMessage(content=g.text, response_metadata=self._metadata(g), usage_metadata=self._usage(g))
+        return ChatResult(generations=[ChatGeneration(message=msg,
+                                                      generation_info={"finish_reason": g.finish_reason})],
+                          llm_output={"model_name": self.model_name})
+
+    def _last_chunk(self, g: Generation) -> ChatGenerationChunk:
+        return ChatGenerationChunk(
+            message=AIMessageChunk(content="", chunk_position="last", response_metadata=self._metadata(g),
+                                   usage_metadata=self._usage(g)),
+            generation_info={"finish_reason": g.finish_reason})
+
+    # ------------------------------------------------------------------ BaseChatModel
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        gen_kw = self._gen_kwargs(stop, kwargs)
+        return self._result(self.engine.generate(self._request(messages, kwargs), **gen_kw))
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        gen_kw = self._gen_kwargs(stop, kwargs)
+        for ev in self.engine.stream_events(self._request(messages, kwargs), **gen_kw):
+            if isinstance(ev, Delta):
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=ev.text))
+                if run_manager:
+                    run_manager.on_llm_new_token(ev.text, chunk=chunk)
+                yield chunk
+            elif isinstance(ev, Generation):
+                yield self._last_chunk(ev)
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        gen_kw = self._gen_kwargs(stop, kwargs)
+        return self._result(await self.engine.agenerate(self._request(messages, kwargs), **gen_kw))
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        gen_kw = self._gen_kwargs(stop, kwargs)
+        async for ev in self.engine.astream_events(self._request(messages, kwargs), **gen_kw):
+            if isinstance(ev, Delta):
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=ev.text))
+                if run_manager:
+                    await run_manager.on_llm_new_token(ev.text, chunk=chunk)
+                yield chunk
+            elif isinstance(ev, Generation):
+                yield self._last_chunk(ev)
+
+
+def _question(value: Any) -> str:
+    if isinstance(value, str):
+        q = value
+    elif isinstance(value, dict):
+        q = next((value[k] for k in ("question", "input", "query") if k in value), None)
+    elif isinstance(value, HumanMessage):
+        q = _text(value.content, "user")
+    else:
+        q = None
+    if not isinstance(q, str) or not q.strip():
+        raise ValueError("input must be a question string or a dict with a 'question' (or 'input') string")
+    return q
+
+
+class EpicRagChain(RunnableSerializable[Any, AIMessage]):
+    """question -> retriever -> ChatEpic with the retrieved Documents as chunks (a RagRequest).
+
+    Input: a question string, or a dict with "question" (or "input"/"query"). Output: an AIMessage
+    (AIMessageChunks when streaming) whose response_metadata also lists the retrieved `documents`.
+    """
+
+    retriever: Any
+    llm: ChatEpic
+    system: str | None = None
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    def _messages(self, q: str) -> list[BaseMessage]:
+        return ([SystemMessage(self.system)] if self.system else []) + [HumanMessage(q)]
+
+    @staticmethod
+    def _docs(docs: Any) -> list[Document]:
+        docs = list(docs)
+        if not all(isinstance(d, Document) for d in docs):
+            raise ValueError("the retriever must return Documents")
+        return docs
+
+    @staticmethod
+    def _with_docs(msg: Any, docs: list[Document]) -> Any:
+        msg.response_metadata["documents"] = docs
+        return msg
+
+    def _invoke(self, value: Any, run_manager, config: RunnableConfig, **kwargs: Any) -> AIMessage:
+        q = _question(value)
+        child = patch_config(config, callbacks=run_manager.get_child())
+        docs = self._docs(self.retriever.invoke(q, child))
+        msg = self.llm.invoke(self._messages(q), child, chunks=docs, **kwargs)
+        return self._with_docs(msg, docs)
+
+    async def _ainvoke(self, value: Any, run_manager, config: RunnableConfig, **kwargs: Any) -> AIMessage:
+        q = _question(value)
+        child = patch_config(config, callbacks=run_manager.get_child())
+        docs = self._docs(await self.retriever.ainvoke(q, child))
+        msg = await self.llm.ainvoke(self._messages(q), child, chunks=docs, **kwargs)
+        return self._with_docs(msg, docs)
+
+    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> AIMessage:
+        return self._call_with_config(self._invoke, input, config, **kwargs)
+
+    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> AIMessage:
+        return await self._acall_with_config(self._ainvoke, input, config, **kwargs)
+
+    def _transform(self, values: Iterator[Any], run_manager, config: RunnableConfig,
+                   **kwargs: Any) -> Iterator[AIMessageChunk]:
+        value = None
+        for value in values:
+            pass
+        q = _question(value)
+        child = patch_config(config, callbacks=run_manager.get_child())
+        docs = self._docs(self.retriever.invoke(q, child))
+        for chunk in self.llm.stream(self._messages(q), child, chunks=docs, **kwargs):
+            yield self._with_docs(chunk, docs) if chunk.chunk_position == "last" else chunk
+
+    async def _atransform(self, values: AsyncIterator[Any], run_manager, config: RunnableConfig,
+                          **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+        value = None
+        async for value in values:
+            pass
+        q = _question(value)
+        child = patch_config(config, callbacks=run_manager.get_child())
+        docs = self._docs(await self.retriever.ainvoke(q, child))
+        async for chunk in self.llm.astream(self._messages(q), child, chunks=docs, **kwargs):
+            yield self._with_docs(chunk, docs) if chunk.chunk_position == "last" else chunk
+
+    def transform(self, input: Iterator[Any], config: RunnableConfig | None = None,
+                  **kwargs: Any) -> Iterator[AIMessageChunk]:
+        yield from self._transform_stream_with_config(input, self._transform, config, **kwargs)
+
+    def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[AIMessageChunk]:
+        yield from self.transform(iter([input]), config, **kwargs)
+
+    async def atransform(self, input: AsyncIterator[Any], config: RunnableConfig | None = None,
+                         **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+        async for chunk in self._atransform_stream_with_config(input, self._atransform, config, **kwargs):
+            yield chunk
+
+    async def astream(self, input: Any, config: RunnableConfig | None = None,
+                      **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+        async def one() -> AsyncIterator[Any]:
+            yield input
+
+        async for chunk in self.atransform(one(), config, **kwargs):
+            yield chunk
+
+
+def create_epic_rag_chain(retriever: Any, engine: Any = None, *, llm: ChatEpic | None = None,
+                          system: str | None = None, max_tokens: int = 256, temperature: float = 0.0,
+                          policy: str | None = None) -> EpicRagChain:
+    """A Runnable answering a question from what `retriever` returns, the Documents linked as chunks.
+
+    `retriever`: any Runnable from a question string to a list of Documents (e.g. a vector store's
+    `.as_retriever()`). Give `llm` to reuse a ChatEpic, else one is made on `engine` (or the shared one).
+    """
+    if llm is None:
+        llm = ChatEpic(engine=engine, max_tokens=max_tokens, temperature=temperature, policy=policy)
+    return EpicRagChain(retriever=retriever, llm=llm, system=system)

@@ -1,0 +1,391 @@
+"""LlamaIndex integration: a drop-in LLM, an ingestion transform that compiles chunks, a response synthesizer.
+
+- `EpicLLM` (a CustomLLM). Set `Settings.llm = EpicLLM(...)` and a stock query engine links the retrieved
+  nodes from cache: the engine finds the compiled chunk texts inside the prompt LlamaIndex renders (chat
+  messages go through the model's chat template) and tokenizes each piece on its own.
+- `EpicChunkCompiler` (a TransformComponent) compiles each node's LLM-visible text
+  (`node.get_content(MetadataMode.LLM)`, metadata header included, stripped as response synthesis inserts
+  it), so a corpus is compiled at ingest. Put it after every step that changes text or metadata.
+- `EpicSynthesizer` (a BaseSynthesizer) hands the retrieved node texts to the engine as chunks of a
+  RagRequest: no string matching; the linking figures land in `Response.metadata`.
+
+Every response carries the figures in `additional_kwargs` (CompletionResponse / ChatResponse; for streams,
+on the last item): ttft_s, total_s, prompt_tokens, linked_tokens, recomputed_tokens, chunk_hits,
+chunk_misses, policy, finish_reason, completion_tokens, chunk_keys.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator, Generator, Sequence
+from typing import Any
+
+from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.llm import default_completion_to_prompt
+from llama_index.core.response_synthesizers.base import BaseSynthesizer
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, TransformComponent
+from llama_index.core.settings import Settings
+
+from ..config import EngineConfig
+from ..engine.runtime import Delta
+from ..types import Generation, RagRequest
+from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, shared_engine
+
+__all__ = ["EpicLLM", "EpicChunkCompiler", "EpicSynthesizer", "node_llm_text"]
+
+_ROLE = {MessageRole.DEVELOPER: "system", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
+         MessageRole.FUNCTION: "tool"}
+_IGNORED_BLOCKS = {"CachePoint", "ThinkingBlock"}
+
+
+def node_llm_text(node: BaseNode) -> str:
+    """The text of a node as response synthesis puts it into the prompt (metadata header included)."""
+    return node.get_content(metadata_mode=MetadataMode.LLM).strip()
+
+
+def _message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    out = []
+    for m in messages:
+        parts = []
+        for b in m.blocks:
+            if isinstance(b, TextBlock):
+                parts.append(b.text)
+            elif type(b).__name__ not in _IGNORED_BLOCKS:
+                raise ValueError(f"EpicLLM takes text only; got a {type(b).__name__} in a {m.role.value} message")
+        out.append({"role": _ROLE.get(m.role, m.role.value), "content": "\n".join(parts)})
+    return out
+
+
+class EpicLLM(CustomLLM):
+    """A LlamaIndex LLM on an embedded EpicEngine (the process's shared engine unless one is given)."""
+
+    model: str | None = Field(default=None, description="Model the engine serves (default: the engine's).")
+    max_tokens: int = Field(default=256, gt=0, description="Default number of tokens to generate.")
+    temperature: float = Field(default=0.0, ge=0.0, le=5.0, description="Default sampling temperature.")
+    policy: str | None = Field(default=None, description="Link policy (default: the engine's).")
+    stop: list[str] | None = Field(default=None, description="Default stop strings.")
+    context_window: int | None = Field(default=None, gt=0,
+                                       description="Cap on the reported context window (default: engine's).")
+
+    _engine: Any = PrivateAttr(default=None)
+    _config: EngineConfig | None = PrivateAttr(default=None)
+
+    def __init__(self, engine: Any = None, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        if engine is not None and not kwargs.get("model"):
+            kwargs["model"] = model_label(engine)
+        super().__init__(**kwargs)
+        self._engine = adopt_engine(engine) if engine is not None else None
+        self._config = config
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "EpicLLM"
+
+    @property
+    def engine(self):
+        """The engine (created or shared on first use)."""
+        if self._engine is None:
+            self._engine = shared_engine(self.model, self._config)
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        eng = self._engine or peek_shared_engine()
+        if eng is not None:
+            window = eng.max_model_len
+            name = self.model or model_label(eng)
+            chat = bool(getattr(eng.tokenizer, "chat_template", None))
+        else:  # no engine yet: report what it will be, without starting it
+            cfg = self._config or EngineConfig(**({"model": self.model} if self.model else {}))
+            window, name, chat = cfg.max_model_len, self.model or cfg.model, True
+        if self.context_window:
+            window = min(window, self.context_window)
+        return LLMMetadata(context_window=window, num_output=self.max_tokens, model_name=name,
+                           is_chat_model=chat, is_function_calling_model=False)
+
+    # ------------------------------------------------------------------ requests
+    def _gen_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        stop = kwargs.get("stop", self.stop)
+        return {"max_tokens": int(kwargs.get("max_tokens") or self.max_tokens),
+                "temperature": float(kwargs.get("temperature", self.temperature)),
+                "policy": kwargs.get("policy", self.policy),
+                "stop": list(stop) if stop else None}
+
+    def _completion_request(self, prompt: str, formatted: bool):
+        if formatted:
+            return prompt
+        if self.completion_to_prompt is not default_completion_to_prompt:
+            return self.completion_to_prompt(prompt)
+        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + \
+            [{"role": "user", "content": prompt}]
+        return self.engine.render_messages(messages)
+
+    def _chat_request(self, messages: Sequence[ChatMessage]):
+        if self.messages_to_prompt is not generic_messages_to_prompt:  # the caller's own prompt format
+            return self.messages_to_prompt(messages)
+        return self.engine.render_messages(_message_dicts(messages))
+
+    # ------------------------------------------------------------------ completion
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        g = self.engine.generate(self._completion_request(prompt, formatted), **self._gen_kwargs(kwargs))
+        return CompletionResponse(text=g.text, additional_kwargs=generation_stats(g))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        events = self.engine.stream_events(self._completion_request(prompt, formatted),
+                                           **self._gen_kwargs(kwargs))
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for ev in events:
+                if isinstance(ev, Delta):
+                    text += ev.text
+                    yield CompletionResponse(text=text, delta=ev.text)
+                elif isinstance(ev, Generation):
+                    yield CompletionResponse(text=ev.text, delta="", additional_kwargs=generation_stats(ev))
+
+        return gen()
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        req = self._completion_request(prompt, formatted)
+        g = await self.engine.agenerate(req, **self._gen_kwargs(kwargs))
+        return CompletionResponse(text=g.text, additional_kwargs=generation_stats(g))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        req = self._completion_request(prompt, formatted)
+        events = self.engine.astream_events(req, **self._gen_kwargs(kwargs))
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            async for ev in events:
+                if isinstance(ev, Delta):
+                    text += ev.text
+                    yield CompletionResponse(text=text, delta=ev.text)
+                elif isinstance(ev, Generation):
+                    yield CompletionResponse(text=ev.text, delta="", additional_kwargs=generation_stats(ev))
+
+        return gen()
+
+    # ------------------------------------------------------------------ chat
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        g = self.engine.generate(self._chat_request(messages), **self._gen_kwargs(kwargs))
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=g.text),
+                            additional_kwargs=generation_stats(g))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        events = self.engine.stream_events(self._chat_request(messages), **self._gen_kwargs(kwargs))
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for ev in events:
+                if isinstance(ev, Delta):
+                    text += ev.text
+                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+                                       delta=ev.text)
+                elif isinstance(ev, Generation):
+                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=ev.text),
+                                       delta="", additional_kwargs=generation_stats(ev))
+
+        return gen()
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        req = self._chat_request(messages)
+        g = await self.engine.agenerate(req, **self._gen_kwargs(kwargs))
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=g.text),
+                            additional_kwargs=generation_stats(g))
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        req = self._chat_request(messages)
+        events = self.engine.astream_events(req, **self._gen_kwargs(kwargs))
+
+        async def gen() -> ChatResponseAsyncGen:
+            text = ""
+            async for ev in events:
+                if isinstance(ev, Delta):
+                    text += ev.text
+                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+                                       delta=ev.text)
+                elif isinstance(ev, Generation):
+                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=ev.text),
+                                       delta="", additional_kwargs=generation_stats(ev))
+
+        return gen()
+
+
+class EpicChunkCompiler(TransformComponent):
+    """Ingestion step: compiles every node's LLM-visible text, so queries link it from cache.
+
+    Nodes pass through unchanged. Place it after the steps that set node text and metadata (splitters,
+    extractors); embedding steps may come before or after. A new instance (new process) misses the
+    IngestionPipeline cache for this step, so chunks are compiled (or found in the store) again there.
+    """
+
+    policy: str | None = Field(default=None, description="Compile for this link policy (default: engine's).")
+    batch_size: int = Field(default=32, gt=0, description="Chunks per compile batch.")
+    session: str = Field(default_factory=lambda: uuid.uuid4().hex,
+                         description="Per instance: keeps the pipeline cache from skipping compilation.")
+
+    _engine: Any = PrivateAttr(default=None)
+
+    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._engine = adopt_engine(engine) if engine is not None else None
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "EpicChunkCompiler"
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            self._engine = shared_engine()
+        return self._engine
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        texts = list(dict.fromkeys(t for t in (node_llm_text(n) for n in nodes) if t))
+        for i in range(0, len(texts), self.batch_size):
+            self.engine.compile(texts[i:i + self.batch_size], policy=self.policy)
+        return nodes
+
+    async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        self.engine  # created (if need be) on this thread, not in the worker
+        return await asyncio.to_thread(self.__call__, nodes, **kwargs)
+
+
+class _Stats:
+    """Carries one synthesis' linking figures into its Response.metadata (now, or when a stream ends)."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, Any] | None = None
+        self.target: dict[str, Any] | None = None
+
+    def put(self, g: Generation) -> None:
+        self.stats = generation_stats(g)
+        if self.target is not None:
+            self.target.update(self.stats)
+
+    def attach(self, response: Any) -> Any:
+        if getattr(response, "metadata", None) is None:
+            try:
+                response.metadata = {}
+            except Exception:
+                return response
+        self.target = response.metadata
+        if self.stats is not None:
+            self.target.update(self.stats)
+        return response
+
+
+class EpicSynthesizer(BaseSynthesizer):
+    """Answers from the retrieved nodes given to the engine as chunks (RagRequest), no prompt matching.
+
+    Use with `RetrieverQueryEngine(retriever, response_synthesizer=EpicSynthesizer(...))` or
+    `index.as_query_engine(response_synthesizer=...)`. `Response.metadata` gets the linking figures
+    (for a streaming response, once the stream has ended).
+    """
+
+    def __init__(self, llm: EpicLLM | None = None, engine: Any = None, system: str | None = None,
+                 streaming: bool = False, callback_manager: CallbackManager | None = None,
+                 max_tokens: int | None = None, temperature: float | None = None,
+                 policy: str | None = None) -> None:
+        if llm is None:
+            current = Settings._llm  # not Settings.llm: that resolves (and may build) a default LLM
+            llm = current if isinstance(current, EpicLLM) and engine is None else EpicLLM(engine=engine)
+        if not isinstance(llm, EpicLLM):
+            raise ValueError("EpicSynthesizer needs an EpicLLM")
+        super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming)
+        self._epic: EpicLLM = llm
+        self._system = system
+        self._overrides = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature),
+                                             ("policy", policy)) if v is not None}
+
+    def _get_prompts(self) -> dict[str, Any]:
+        return {}
+
+    def _update_prompts(self, prompts: dict[str, Any]) -> None:
+        pass
+
+    def _request(self, query_str: str, text_chunks: Sequence[str]) -> RagRequest:
+        chunks = [c.strip() for c in text_chunks if c and c.strip()]
+        return RagRequest(question=query_str, chunks=chunks, system=self._system)
+
+    def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
+        stats: _Stats | None = response_kwargs.pop("_epic_stats", None)
+        kw = self._epic._gen_kwargs({**self._overrides, **response_kwargs})
+        req = self._request(query_str, text_chunks)
+        engine = self._epic.engine
+        if not self._streaming:
+            g = engine.generate(req, **kw)
+            if stats is not None:
+                stats.put(g)
+            return g.text
+        events = engine.stream_events(req, **kw)
+
+        def gen() -> Generator[str, None, None]:
+            for ev in events:
+                if isinstance(ev, Delta):
+                    yield ev.text
+                elif isinstance(ev, Generation) and stats is not None:
+                    stats.put(ev)
+
+        return gen()
+
+    async def aget_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
+        stats: _Stats | None = response_kwargs.pop("_epic_stats", None)
+        kw = self._epic._gen_kwargs({**self._overrides, **response_kwargs})
+        req = self._request(query_str, text_chunks)
+        engine = self._epic.engine
+        if not self._streaming:
+            g = await engine.agenerate(req, **kw)
+            if stats is not None:
+                stats.put(g)
+            return g.text
+        events = engine.astream_events(req, **kw)
+
+        async def gen() -> AsyncGenerator[str, None]:
+            async for ev in events:
+                if isinstance(ev, Delta):
+                    yield ev.text
+                elif isinstance(ev, Generation) and stats is not None:
+                    stats.put(ev)
+
+        return gen()
+
+    def synthesize(self, query: Any, nodes: list[NodeWithScore],
+                   additional_source_nodes: Sequence[NodeWithScore] | None = None, **response_kwargs: Any):
+        stats = _Stats()
+        response = super().synthesize(query, nodes, additional_source_nodes, _epic_stats=stats,
+                                      **response_kwargs)
+        return stats.attach(response) if nodes else response
+
+    async def asynthesize(self, query: Any, nodes: list[NodeWithScore],
+                          additional_source_nodes: Sequence[NodeWithScore] | None = None,
+                          **response_kwargs: Any):
+        stats = _Stats()
+        response = await super().asynthesize(query, nodes, additional_source_nodes, _epic_stats=stats,
+                                             **response_kwargs)
+        return stats.attach(response) if nodes else response
