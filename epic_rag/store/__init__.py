@@ -1,18 +1,57 @@
 """Chunk KV store: tiers behind one interface, opened from a spec string."""
 from .base import ChunkKV, ChunkStore, TierStats
+from .codec import CorruptEntry
+from .disk import DiskStore
 from .memory import MemoryStore
+from .stack import TieredStore
 
 
-def open_store(spec: str | ChunkStore) -> ChunkStore:
-    """Open a store from a spec: "memory" or "memory:<bytes>" (more tiers: see epic_rag.store.spec)."""
+def open_store(spec: "str | ChunkStore") -> ChunkStore:
+    """Open a chunk store from a spec string (or pass a ChunkStore through).
+
+    A spec is one tier or several joined by '+', fastest first. Look-ups go down the tiers and a hit is
+    copied into the tiers above it; writes go to every tier. Options follow a tier as a URL query::
+
+        memory[?max_bytes=SIZE&quant=int8]           process-private LRU (default budget 4GiB)
+        memory:SIZE                                   same, older form of the budget
+        disk:FOLDER[?max_bytes=SIZE&quant=int8&fsync=1]
+                                                      one safetensors file per chunk; LRU by mtime under
+                                                      max_bytes (default: unbounded); several processes may
+                                                      share FOLDER; fsync=1 syncs each file before its rename
+        redis://[user:password@]HOST[:PORT][/DB][?ttl=SECONDS&prefix=P&timeout=SECONDS&retry_s=SECONDS&quant=int8]
+        rediss://...  (TLS)     unix://SOCKET_PATH[?db=N&...]
+                                                      shared Redis; keys are PREFIX<chunk key> (default
+                                                      prefix "epic:kv:"); ttl sets an expiry on each write;
+                                                      timeout bounds every socket operation (default 2 s);
+                                                      while the server is unreachable the tier is skipped and
+                                                      probed again every retry_s seconds (default 5)
+
+    SIZE is a byte count with an optional binary unit: 1073741824, 512M, 4G, 4GiB.
+    quant=int8 stores K and V as int8 with a float32 scale per token and head (about 3.8x smaller than
+    fp32, 1.9x smaller than bf16) and dequantizes on read to the model dtype; it is lossy. Its entries
+    live under a separate name ("<key>@int8"), so exact and int8 entries never collide, and KV that went
+    through an int8 tier is never written into an exact disk or Redis tier.
+
+    Examples: "memory", "memory?max_bytes=2G+disk:/var/cache/epic-rag?max_bytes=50G",
+    "memory+disk:/tmp/kv+redis://127.0.0.1:6379/0?ttl=86400", "redis://cache:6379/1?quant=int8".
+    Raises ValueError (with the reason) for a malformed spec. A disk folder that cannot be created or an
+    unreachable Redis does not raise: it is logged and that tier misses until it works.
+    """
+    from .spec import build_tier, parse_spec
+
     if isinstance(spec, ChunkStore):
         return spec
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError("store spec must be a non-empty string such as 'memory'")
-    head, _, arg = spec.strip().partition(":")
-    if head == "memory":
-        return MemoryStore(int(arg)) if arg else MemoryStore()
-    raise ValueError(f"unknown store spec {spec!r}; expected 'memory' or 'memory:<bytes>'")
+    tiers = [build_tier(t) for t in parse_spec(spec)]
+    return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
 
 
-__all__ = ["ChunkKV", "ChunkStore", "TierStats", "MemoryStore", "open_store"]
+def __getattr__(name: str):
+    if name == "RedisStore":  # imports redis-py only when asked for
+        from .redis_tier import RedisStore
+
+        return RedisStore
+    raise AttributeError(name)
+
+
+__all__ = ["ChunkKV", "ChunkStore", "TierStats", "CorruptEntry", "MemoryStore", "DiskStore", "RedisStore",
+           "TieredStore", "open_store"]

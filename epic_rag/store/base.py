@@ -1,11 +1,25 @@
 """The chunk KV store contract: what a tier must do, and the KV record it holds."""
 from __future__ import annotations
 
+import re
 import threading
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import torch
+
+# Keys are content hashes made by the engine ("plain-<hex>", "dummy3-<hex>"). Tiers use them as file
+# names and Redis keys, so they are restricted to a safe alphabet ('@' is reserved for tier namespaces).
+_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+QUANTS = ("none", "int8")
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ValueError(f"invalid chunk key {key!r}: expected 1-200 characters of [A-Za-z0-9._-], "
+                         "starting with a letter or digit")
+    return key
 
 
 @dataclass(slots=True)
@@ -13,7 +27,8 @@ class ChunkKV:
     """Compiled KV of one chunk, for every layer.
 
     Keys are post-RoPE at positions base_pos .. base_pos+T-1 (as the engine computed them), so
-    linking at real position p rotates them by p - base_pos.
+    linking at real position p rotates them by p - base_pos. `quant` says whether the values went
+    through a lossy tier ("int8"): shared exact tiers never store such an entry.
     """
 
     key: str
@@ -21,6 +36,7 @@ class ChunkKV:
     k: torch.Tensor          # k: [L, T, Hkv, D]
     v: torch.Tensor          # v: [L, T, Hkv, D]
     base_pos: int = 0
+    quant: str = "none"
 
     def __post_init__(self) -> None:
         if self.k.shape != self.v.shape or self.k.dim() != 4:
@@ -29,6 +45,8 @@ class ChunkKV:
             raise ValueError(f"KV holds {self.k.shape[1]} tokens but token_ids has {len(self.token_ids)}")
         if self.k.dtype != self.v.dtype:
             raise ValueError("k and v must share a dtype")
+        if self.quant not in QUANTS:
+            raise ValueError(f"quant must be one of {QUANTS}, got {self.quant!r}")
 
     @property
     def num_tokens(self) -> int:
@@ -41,7 +59,12 @@ class ChunkKV:
 
 @dataclass(slots=True)
 class TierStats:
-    """Counters one tier keeps; read by the CLI and the server's metrics."""
+    """Counters one tier keeps; read by the CLI and the server's metrics (`ChunkStore.tier_stats`).
+
+    hits/misses/puts/evictions/corrupt/errors count events in this process. bytes/entries are exact
+    for the memory tier; for shared tiers (disk, Redis) they are as of the last scan (`refresh()`).
+    load_seconds sums the time of successful loads (read + verify + decode); mean = load_seconds / hits.
+    """
 
     hits: int = 0
     misses: int = 0
@@ -52,17 +75,27 @@ class TierStats:
     bytes: int = 0
     entries: int = 0
     load_seconds: float = 0.0
+    load_seconds_max: float = 0.0
+    put_seconds: float = 0.0
+    available: int = 1       # 0 while a remote tier is unreachable
 
     def as_dict(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def record_load(self, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.hits += 1
+        self.load_seconds += dt
+        self.load_seconds_max = max(self.load_seconds_max, dt)
 
 
 class ChunkStore(ABC):
     """One tier (or a stack of tiers) mapping chunk keys to ChunkKV.
 
-    `get` never mutates stored data (a tier may update its LRU order); `put` overwrites an entry
-    with the same key, which is safe because keys are content-derived. Implementations are
-    thread-safe.
+    `get` never mutates stored data (a tier may update its LRU order, and drops an entry it finds
+    corrupt); `put` overwrites an entry with the same key, which is safe because keys are
+    content-derived. Implementations are thread-safe, and never raise on I/O trouble in get/put:
+    a tier that cannot read answers None, a tier that cannot write logs and skips.
     """
 
     name: str = "store"
@@ -90,6 +123,17 @@ class ChunkStore(ABC):
     def contains(self, key: str) -> bool:
         return key in set(self.keys())
 
+    def verify(self, key: str) -> bool:
+        """Check one entry's integrity (dropping it when corrupt); True when present and sound."""
+        return self.get(key) is not None
+
+    def usage(self) -> dict[str, int]:
+        """Stored size in bytes of every entry (for `store ls`)."""
+        return {k: 0 for k in self.keys()}
+
+    def refresh(self) -> None:
+        """Recount entries/bytes of shared tiers (a scan); cheap tiers need nothing."""
+
     def clear(self) -> int:
         n = 0
         for key in self.keys():
@@ -101,3 +145,9 @@ class ChunkStore(ABC):
 
     def close(self) -> None:
         """Release connections/files."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

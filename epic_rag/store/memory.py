@@ -1,53 +1,91 @@
-"""Memory tier: an LRU dict of ChunkKV under a byte budget."""
+"""Memory tier: an LRU dict of ChunkKV under a byte budget (optionally int8-packed)."""
 from __future__ import annotations
 
+import logging
+import time
 from collections import OrderedDict
 
-from .base import ChunkKV, ChunkStore
+import torch
+
+from . import codec
+from .base import QUANTS, ChunkKV, ChunkStore, check_key
+
+log = logging.getLogger(__name__)
 
 
 class MemoryStore(ChunkStore):
+    """Process-private LRU. With quant="int8" entries are held packed and dequantized on every get."""
+
     name = "memory"
 
-    def __init__(self, max_bytes: int = 4 << 30) -> None:
+    def __init__(self, max_bytes: int = 4 << 30, quant: str = "none") -> None:
         super().__init__()
         if max_bytes <= 0:
             raise ValueError("memory store budget must be positive")
+        if quant not in QUANTS:
+            raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
         self.max_bytes = max_bytes
-        self._items: OrderedDict[str, ChunkKV] = OrderedDict()
+        self.quant = quant
+        # key -> ChunkKV (exact) or (header, packed tensors) (int8); sizes in _sizes
+        self._items: OrderedDict[str, ChunkKV | tuple[dict, dict[str, torch.Tensor]]] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"MemoryStore(max_bytes={self.max_bytes}, quant={self.quant!r})"
 
     def get(self, key: str) -> ChunkKV | None:
+        check_key(key)
+        t0 = time.perf_counter()
         with self._lock:
-            kv = self._items.get(key)
-            if kv is None:
+            item = self._items.get(key)
+            if item is None:
                 self.stats.misses += 1
                 return None
             self._items.move_to_end(key)
-            self.stats.hits += 1
-            return kv
+        if isinstance(item, tuple):
+            kv = codec.unpack(item[0], item[1], key, self.quant)
+        else:
+            kv = item
+        with self._lock:
+            self.stats.record_load(t0)
+        return kv
 
     def put(self, kv: ChunkKV) -> None:
-        if kv.nbytes > self.max_bytes:
+        check_key(kv.key)
+        t0 = time.perf_counter()
+        if self.quant == "none":
+            item, size = kv, kv.nbytes
+        else:
+            try:
+                meta, tensors = codec.pack(kv, self.quant)
+            except ValueError as e:
+                with self._lock:
+                    self.stats.errors += 1
+                log.error("memory tier: not storing chunk %s: %s", kv.key, e)
+                return
+            item, size = (meta, tensors), codec.packed_nbytes(tensors)
+        if size > self.max_bytes:
             return  # larger than the whole budget: lower tiers keep it
         with self._lock:
             old = self._items.pop(kv.key, None)
             if old is not None:
-                self.stats.bytes -= old.nbytes
-            self._items[kv.key] = kv
-            self.stats.bytes += kv.nbytes
+                self.stats.bytes -= self._sizes.pop(kv.key)
+            self._items[kv.key] = item
+            self._sizes[kv.key] = size
+            self.stats.bytes += size
             self.stats.puts += 1
             while self.stats.bytes > self.max_bytes:
-                _, evicted = self._items.popitem(last=False)
-                self.stats.bytes -= evicted.nbytes
+                evicted, _ = self._items.popitem(last=False)
+                self.stats.bytes -= self._sizes.pop(evicted)
                 self.stats.evictions += 1
             self.stats.entries = len(self._items)
+            self.stats.put_seconds += time.perf_counter() - t0
 
     def delete(self, key: str) -> bool:
         with self._lock:
-            kv = self._items.pop(key, None)
-            if kv is None:
+            if self._items.pop(key, None) is None:
                 return False
-            self.stats.bytes -= kv.nbytes
+            self.stats.bytes -= self._sizes.pop(key)
             self.stats.entries = len(self._items)
             return True
 
@@ -58,3 +96,15 @@ class MemoryStore(ChunkStore):
     def contains(self, key: str) -> bool:
         with self._lock:
             return key in self._items
+
+    def usage(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._sizes)
+
+    def clear(self) -> int:
+        with self._lock:
+            n = len(self._items)
+            self._items.clear()
+            self._sizes.clear()
+            self.stats.bytes = self.stats.entries = 0
+            return n

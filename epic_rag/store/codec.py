@@ -1,0 +1,228 @@
+"""One chunk entry as bytes: safetensors with a JSON header, a sha256 checksum and optional int8 packing.
+
+Layout (a plain safetensors file, readable by `safetensors.safe_open`):
+
+    tensors   k, v            [L, T, H, D] in the model's KV dtype           (quant "none")
+              k_q, v_q        [L, T, H, D] int8                               (quant "int8")
+              k_scale, v_scale [L, T, H, 1] float32  (x ~= x_q * scale, per token per head)
+              token_ids       [T] int64
+    metadata  {"epic": JSON}  format, key, quant, dtype, shape [L, T, H, D], base_pos, sha256
+
+The checksum is sha256 over the canonical JSON header (without the checksum) and every tensor's bytes
+in name order, so any flipped byte, in the header or the data, is found. `decode` also checks that the
+stored key is the requested one, that the quant mode is the tier's, and that dtypes, shapes and
+offsets agree with the header, before any tensor is built. Nothing is ever unpickled.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import torch
+from safetensors.torch import save as st_save
+
+from .base import QUANTS, ChunkKV
+
+FORMAT = "epic-chunk-kv/1"
+_MAX_HEADER = 1 << 20
+
+# safetensors dtype names <-> torch dtypes (the KV dtypes a model may use, plus what int8 packing needs).
+_ST_DTYPES = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+    "I8": torch.int8, "I64": torch.int64,
+}
+_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_TORCH_TO_NAME = {v: k for k, v in _KV_DTYPES.items()}
+
+
+class CorruptEntry(ValueError):
+    """Bytes that must not become KV: truncated, flipped, inconsistent, or another key's entry."""
+
+
+def storage_suffix(quant: str) -> str:
+    """Namespace of an entry in a tier: exact and int8 entries of one chunk never share a name."""
+    return "" if quant == "none" else f"@{quant}"
+
+
+# --------------------------------------------------------------------------- int8 packing
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-per-head absmax: x [L, T, H, D] -> (q int8 [L, T, H, D], scale float32 [L, T, H, 1]).
+
+    |x - q * scale| <= scale / 2 = absmax / 254 elementwise (before casting back to x's dtype)."""
+    xf = x.detach().to(torch.float32)
+    if not torch.isfinite(xf).all():
+        raise ValueError("cannot int8-pack KV holding inf/nan")
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0          # scale: [L, T, H, 1]
+    q = torch.round(xf / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp_(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.to(torch.float32) * scale).to(dtype)
+
+
+# --------------------------------------------------------------------------- pack / unpack (no bytes)
+def pack(kv: ChunkKV, quant: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The header and tensors of an entry, in the tier's quant mode (tensors contiguous, on CPU)."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+    dtype = _TORCH_TO_NAME.get(kv.k.dtype)
+    if dtype is None:
+        raise ValueError(f"unsupported KV dtype {kv.k.dtype}; expected one of {sorted(_KV_DTYPES)}")
+    k = kv.k.detach().cpu().contiguous()
+    v = kv.v.detach().cpu().contiguous()
+    tensors: dict[str, torch.Tensor] = {"token_ids": torch.tensor(kv.token_ids, dtype=torch.int64)}
+    if quant == "none":
+        tensors["k"], tensors["v"] = k, v
+    else:
+        tensors["k_q"], tensors["k_scale"] = quantize_int8(k)
+        tensors["v_q"], tensors["v_scale"] = quantize_int8(v)
+    meta = {"format": FORMAT, "key": kv.key, "quant": quant, "dtype": dtype,
+            "shape": list(k.shape), "base_pos": int(kv.base_pos)}
+    return meta, tensors
+
+
+def _expected(meta: dict) -> dict[str, tuple[torch.dtype, list[int]]]:
+    L, T, H, D = meta["shape"]
+    kv_dtype = _KV_DTYPES[meta["dtype"]]
+    exp = {"token_ids": (torch.int64, [T])}
+    if meta["quant"] == "none":
+        exp["k"] = exp["v"] = (kv_dtype, [L, T, H, D])
+    else:
+        exp["k_q"] = exp["v_q"] = (torch.int8, [L, T, H, D])
+        exp["k_scale"] = exp["v_scale"] = (torch.float32, [L, T, H, 1])
+    return exp
+
+
+def _check_meta(meta, key: str, quant: str) -> None:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CorruptEntry(f"not an {FORMAT} entry")
+    if meta.get("key") != key:
+        raise CorruptEntry(f"entry holds key {meta.get('key')!r}, not the requested {key!r}")
+    if meta.get("quant") != quant:
+        raise CorruptEntry(f"entry is quant={meta.get('quant')!r}, this tier reads quant={quant!r}")
+    if meta.get("dtype") not in _KV_DTYPES:
+        raise CorruptEntry(f"entry has unknown KV dtype {meta.get('dtype')!r}")
+    shape = meta.get("shape")
+    if (not isinstance(shape, list) or len(shape) != 4
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)):
+        raise CorruptEntry(f"entry has a bad shape {shape!r}")
+    if not isinstance(meta.get("base_pos"), int) or meta["base_pos"] < 0:
+        raise CorruptEntry("entry has a bad base_pos")
+
+
+def unpack(meta: dict, tensors: dict[str, torch.Tensor], key: str, quant: str) -> ChunkKV:
+    """Rebuild the ChunkKV (dequantized to the model dtype), checking every tensor against the header."""
+    _check_meta(meta, key, quant)
+    exp = _expected(meta)
+    if set(tensors) != set(exp):
+        raise CorruptEntry(f"entry tensors {sorted(tensors)} != expected {sorted(exp)}")
+    for name, (dt, shape) in exp.items():
+        t = tensors[name]
+        if t.dtype != dt or list(t.shape) != shape:
+            raise CorruptEntry(f"tensor {name} is {t.dtype}{list(t.shape)}, header says {dt}{shape}")
+    kv_dtype = _KV_DTYPES[meta["dtype"]]
+    if quant == "none":
+        k, v = tensors["k"], tensors["v"]
+    else:
+        k = dequantize_int8(tensors["k_q"], tensors["k_scale"], kv_dtype)
+        v = dequantize_int8(tensors["v_q"], tensors["v_scale"], kv_dtype)
+    try:
+        return ChunkKV(key=key, token_ids=tensors["token_ids"].tolist(), k=k, v=v,
+                       base_pos=meta["base_pos"], quant=quant)
+    except ValueError as e:
+        raise CorruptEntry(str(e)) from e
+
+
+def packed_nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# --------------------------------------------------------------------------- bytes
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def _digest(meta: dict, chunks) -> str:
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "sha256"},
+                                  sort_keys=True, separators=(",", ":")).encode())
+    for name, data in chunks:
+        h.update(name.encode() + b"\0")
+        h.update(data)
+    return h.hexdigest()
+
+
+def encode(kv: ChunkKV, quant: str = "none") -> bytes:
+    """An entry's bytes: safetensors whose metadata carries the JSON header and checksum."""
+    meta, tensors = pack(kv, quant)
+    meta["sha256"] = _digest(meta, ((n, _tensor_bytes(tensors[n])) for n in sorted(tensors)))
+    return st_save(tensors, metadata={"epic": json.dumps(meta, sort_keys=True)})
+
+
+def read_header(buf) -> tuple[dict, dict]:
+    """(safetensors tensor table, epic header) of an entry's bytes; raises CorruptEntry."""
+    view = memoryview(buf)
+    if len(view) < 8:
+        raise CorruptEntry(f"entry is {len(view)} bytes, too short for a header")
+    (hlen,) = struct.unpack("<Q", view[:8])
+    if hlen > _MAX_HEADER or 8 + hlen > len(view):
+        raise CorruptEntry(f"entry header length {hlen} does not fit its {len(view)} bytes (truncated?)")
+    try:
+        table = json.loads(bytes(view[8:8 + hlen]))
+        meta = json.loads(table.pop("__metadata__")["epic"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptEntry(f"entry header is unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(table, dict) or not isinstance(meta, dict):
+        raise CorruptEntry("entry header is not a JSON object")
+    return table, meta
+
+
+def decode(buf: bytes | bytearray | memoryview, key: str, quant: str = "none") -> ChunkKV:
+    """The ChunkKV in `buf`, after checking header, offsets, key, quant, dtypes, shapes and checksum.
+
+    Raises CorruptEntry for anything else; never builds a tensor from unchecked bytes. A writable
+    buffer (bytearray) is used without a copy."""
+    table, meta = read_header(buf)
+    _check_meta(meta, key, quant)
+    exp = _expected(meta)
+    if set(table) != set(exp):
+        raise CorruptEntry(f"entry tensors {sorted(table)} != expected {sorted(exp)}")
+    view = memoryview(buf)
+    hlen = struct.unpack("<Q", view[:8])[0]
+    data = view[8 + hlen:]
+    spans, end_max = {}, 0
+    inv = {v: k for k, v in _ST_DTYPES.items()}
+    for name, (dt, shape) in exp.items():
+        info = table[name]
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            st_dtype, st_shape = info["dtype"], list(info["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptEntry(f"tensor {name} has a bad header entry") from e
+        if st_dtype != inv[dt] or st_shape != shape:
+            raise CorruptEntry(f"tensor {name} is {st_dtype}{st_shape}, header says {inv[dt]}{shape}")
+        n = dt.itemsize
+        for s in shape:
+            n *= s
+        if not 0 <= begin <= end <= len(data) or end - begin != n:
+            raise CorruptEntry(f"tensor {name} bytes [{begin}, {end}) do not fit {len(data)} data bytes "
+                               f"or its {n}-byte size (truncated?)")
+        spans[name] = (begin, end)
+        end_max = max(end_max, end)
+    if end_max != len(data):
+        raise CorruptEntry(f"entry has {len(data) - end_max} stray bytes after its tensors")
+    want = meta.get("sha256")
+    got = _digest(meta, ((name, data[spans[name][0]:spans[name][1]]) for name in sorted(spans)))
+    if want != got:
+        raise CorruptEntry(f"checksum mismatch (stored {str(want)[:12]}..., computed {got[:12]}...)")
+    if isinstance(buf, bytes):
+        buf = bytearray(buf)  # torch.frombuffer wants writable memory; tensors then own this copy
+        data = memoryview(buf)[8 + hlen:]
+    tensors = {}
+    for name, (dt, shape) in exp.items():
+        begin, end = spans[name]
+        t = torch.frombuffer(data, dtype=dt, count=(end - begin) // dt.itemsize, offset=begin) \
+            if end > begin else torch.empty(0, dtype=dt)
+        tensors[name] = t.view(shape)
+    return unpack(meta, tensors, key, quant)

@@ -1,0 +1,309 @@
+"""Disk tier: one safetensors file per chunk in a folder that several processes may share.
+
+Writes go to a hidden temporary file in the same folder and are renamed over the final name (atomic on
+POSIX), so a reader sees either no entry or a whole one; two processes writing the same chunk leave
+one valid file. Every read checks the checksum, key, quant mode, dtypes and shapes (codec.decode); a
+bad file is deleted and counted. A hit touches the file's mtime, and a byte budget evicts the least
+recently used files. The budget covers the whole folder and is enforced approximately across processes:
+each writer rescans the folder when its own count passes the budget, and at least every 30 s.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from . import codec
+from .base import QUANTS, ChunkKV, ChunkStore, check_key
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".safetensors"
+_TMP = ".tmp-"
+_RESCAN_S = 30.0
+_STALE_TMP_S = 3600.0
+_LOW_WATER = 0.9      # eviction frees down to this fraction of the budget
+
+
+class DiskStore(ChunkStore):
+    name = "disk"
+
+    def __init__(self, root: str | os.PathLike, max_bytes: int | None = None, quant: str = "none",
+                 fsync: bool = False) -> None:
+        super().__init__()
+        if quant not in QUANTS:
+            raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError("disk store budget must be positive")
+        self.root = Path(root).expanduser().absolute()
+        self.max_bytes = max_bytes
+        self.quant = quant
+        self.fsync = fsync
+        self._tag = codec.storage_suffix(quant)
+        self._approx_bytes = 0
+        self._last_scan = 0.0
+        self._evict_lock = threading.Lock()
+        self._last_log: dict[str, float] = {}
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._log_error("mkdir", f"disk tier {self.root}: cannot create the folder ({e}); "
+                                     "it will miss until the folder exists")
+        self.refresh()
+
+    def __repr__(self) -> str:
+        return f"DiskStore({str(self.root)!r}, max_bytes={self.max_bytes}, quant={self.quant!r})"
+
+    # ------------------------------------------------------------------ helpers
+    def _path(self, key: str) -> Path:
+        return self.root / f"{key}{self._tag}{SUFFIX}"
+
+    def _key_of(self, name: str) -> str | None:
+        if name.startswith(".") or not name.endswith(SUFFIX):
+            return None
+        stem = name[: -len(SUFFIX)]
+        if self._tag:
+            return stem[: -len(self._tag)] if stem.endswith(self._tag) else None
+        return None if "@" in stem else stem
+
+    def _log_error(self, kind: str, msg: str) -> None:
+        """Log an error at most once a minute per kind (a full disk must not flood the log)."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last_log.get(kind)
+            loud = last is None or now - last > 60.0
+            if loud:
+                self._last_log[kind] = now
+        log.log(logging.ERROR if loud else logging.DEBUG, msg)
+
+    # ------------------------------------------------------------------ read
+    def get(self, key: str) -> ChunkKV | None:
+        return self._load(key, touch=True)
+
+    def verify(self, key: str) -> bool:
+        return self._load(key, touch=False) is not None
+
+    def _load(self, key: str, touch: bool) -> ChunkKV | None:
+        check_key(key)
+        path = self._path(key)
+        t0 = time.perf_counter()
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                buf = bytearray(st.st_size)
+                view, got = memoryview(buf), 0
+                while got < len(buf):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+        except FileNotFoundError:
+            with self._lock:
+                self.stats.misses += 1
+            return None
+        except OSError as e:
+            with self._lock:
+                self.stats.misses += 1
+                self.stats.errors += 1
+            self._log_error("read", f"disk tier {self.root}: cannot read {path.name}: {e}")
+            return None
+        try:
+            if got != len(buf):
+                raise codec.CorruptEntry(f"file shrank while reading ({got} of {len(buf)} bytes)")
+            kv = codec.decode(buf, key, self.quant)
+        except codec.CorruptEntry as e:
+            self._drop(path, st, e)
+            return None
+        if touch:
+            try:
+                os.utime(path)  # LRU order across processes (atime is unreliable under relatime/noatime)
+            except OSError:
+                pass
+        with self._lock:
+            self.stats.record_load(t0)
+        return kv
+
+    def _drop(self, path: Path, st: os.stat_result, why: Exception) -> None:
+        log.warning("disk tier %s: corrupt entry %s dropped (%s); it will be recompiled", self.root, path.name, why)
+        with self._lock:
+            self.stats.corrupt += 1
+            self.stats.misses += 1
+        try:
+            now = os.stat(path)
+            if (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns):  # not replaced meanwhile
+                os.unlink(path)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ write
+    def put(self, kv: ChunkKV) -> None:
+        check_key(kv.key)
+        if kv.quant != "none" and self.quant == "none":
+            return  # lossy values never enter an exact shared tier
+        t0 = time.perf_counter()
+        try:
+            data = codec.encode(kv, self.quant)
+        except ValueError as e:
+            with self._lock:
+                self.stats.errors += 1
+            self._log_error("encode", f"disk tier {self.root}: not storing chunk {kv.key}: {e}")
+            return
+        if self.max_bytes is not None and len(data) > self.max_bytes:
+            return  # larger than the whole budget
+        path = self._path(kv.key)
+        tmp = self.root / f"{_TMP}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                try:
+                    old = os.stat(path).st_size
+                except OSError:
+                    old = 0
+                os.replace(tmp, path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+        except OSError as e:
+            with self._lock:
+                self.stats.errors += 1
+            self._log_error(f"write-{e.errno}", f"disk tier {self.root}: cannot write chunk {kv.key} ({e}); "
+                                                "serving continues without caching it on disk")
+            return
+        with self._lock:
+            self.stats.puts += 1
+            self.stats.put_seconds += time.perf_counter() - t0
+            self._approx_bytes += len(data) - old
+            self.stats.bytes = self._approx_bytes
+            self.stats.entries += old == 0
+            due = self.max_bytes is not None and (
+                self._approx_bytes > self.max_bytes or time.monotonic() - self._last_scan > _RESCAN_S)
+        if due:
+            self._evict()
+
+    # ------------------------------------------------------------------ budget
+    def _scan(self) -> list[tuple[float, int, str]]:
+        """(mtime, size, path) of every entry in the folder (all quant namespaces); removes stale temp files."""
+        out = []
+        now = time.time()
+        try:
+            it = os.scandir(self.root)
+        except OSError:
+            return out
+        with it:
+            for e in it:
+                try:
+                    if e.name.startswith(_TMP):
+                        if now - e.stat().st_mtime > _STALE_TMP_S:  # left by a crashed writer
+                            os.unlink(e.path)
+                        continue
+                    if e.name.startswith(".") or not e.name.endswith(SUFFIX):
+                        continue
+                    st = e.stat()
+                    out.append((st.st_mtime, st.st_size, e.path))
+                except OSError:
+                    continue
+        return out
+
+    def refresh(self) -> None:
+        entries = self._scan()
+        with self._lock:
+            self._approx_bytes = self.stats.bytes = sum(s for _, s, _ in entries)
+            self.stats.entries = len(entries)
+            self._last_scan = time.monotonic()
+
+    def _evict(self) -> None:
+        if not self._evict_lock.acquire(blocking=False):
+            return  # another thread is already evicting
+        try:
+            entries = sorted(self._scan())
+            total = sum(s for _, s, _ in entries)
+            n = len(entries)
+            evicted = 0
+            if self.max_bytes is not None and total > self.max_bytes:
+                target = self.max_bytes * _LOW_WATER
+                for _, size, p in entries:
+                    if total <= target:
+                        break
+                    try:
+                        os.unlink(p)
+                        evicted += 1
+                    except FileNotFoundError:
+                        pass  # another process evicted it
+                    except OSError as e:
+                        self._log_error("evict", f"disk tier {self.root}: cannot evict {p}: {e}")
+                        continue
+                    total -= size
+                    n -= 1
+            with self._lock:
+                self.stats.evictions += evicted
+                self._approx_bytes = self.stats.bytes = total
+                self.stats.entries = n
+                self._last_scan = time.monotonic()
+        finally:
+            self._evict_lock.release()
+
+    # ------------------------------------------------------------------ listing
+    def usage(self) -> dict[str, int]:
+        out = {}
+        try:
+            it = os.scandir(self.root)
+        except OSError:
+            return out
+        with it:
+            for e in it:
+                key = self._key_of(e.name)
+                if key is None:
+                    continue
+                try:
+                    out[key] = e.stat().st_size
+                except OSError:
+                    continue
+        return out
+
+    def keys(self) -> list[str]:
+        return list(self.usage())
+
+    def contains(self, key: str) -> bool:
+        return self._path(check_key(key)).exists()
+
+    def delete(self, key: str) -> bool:
+        try:
+            size = os.stat(self._path(check_key(key))).st_size
+            os.unlink(self._path(key))
+        except OSError:
+            return False
+        with self._lock:
+            self._approx_bytes -= size
+            self.stats.bytes = self._approx_bytes
+            self.stats.entries = max(0, self.stats.entries - 1)
+        return True
+
+    def clear(self) -> int:
+        """Delete this tier's entries (its quant namespace) and abandoned temporary files."""
+        n = 0
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return 0
+        for name in names:
+            if name.startswith(_TMP):
+                try:  # a temp file younger than a minute may be another process's write in progress
+                    if time.time() - os.stat(self.root / name).st_mtime > 60:
+                        os.unlink(self.root / name)
+                except OSError:
+                    pass
+            elif self._key_of(name) is not None:
+                n += self.delete(self._key_of(name))
+        self.refresh()
+        return n
