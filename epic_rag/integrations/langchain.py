@@ -41,7 +41,7 @@ from ..engine.runtime import Delta
 from ..types import ChunkRef, Generation, RagRequest
 from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, shared_engine
 
-__all__ = ["ChatEpic", "EpicRagChain", "create_epic_rag_chain"]
+__all__ = ["ChatEpic", "EpicRagChain", "compile_documents", "create_epic_rag_chain"]
 
 
 def _text(content: Any, role: str) -> str:
@@ -331,6 +331,18 @@ class EpicRagChain(RunnableSerializable[Any, AIMessage]):
 
         async for chunk in self.atransform(one(), config, **kwargs):
             yield chunk
+
+
+def compile_documents(documents: Sequence[Document], engine: Any = None, policy: str | None = None,
+                      batch_size: int = 32) -> list[ChunkRef]:
+    """Compile the Documents' page_content (at ingest), so prompts that insert them verbatim link them and
+    chains that pass them as chunks find them compiled. Returns the refs in input order."""
+    eng = adopt_engine(engine) if engine is not None else shared_engine()
+    texts = [d.page_content for d in documents]
+    refs: list[ChunkRef] = []
+    for i in range(0, len(texts), batch_size):
+        refs += eng.compile(texts[i:i + batch_size], policy=policy)
+    return refs
 
 
 def create_epic_rag_chain(retriever: Any, engine: Any = None, *, llm: ChatEpic | None = None,
