@@ -1,0 +1,112 @@
+"""`epic-rag demo`: the chat server over a document corpus (runs with no arguments)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("apps.demo")
+
+
+def register(subparsers) -> None:
+    d = subparsers.add_parser(
+        "demo", help="chat server over documents with an OpenAI-compatible API",
+        description="Serve a chat page and an OpenAI-compatible API over a document corpus "
+                    "(default: Python's pydoc text, SmolLM2, FAISS retrieval, a disk chunk store).")
+    d.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    d.add_argument("--port", type=int, default=8000)
+    d.add_argument("--corpus", default="builtin:pydoc",
+                   help="folder of .txt/.md/.pdf/.html documents (uploads are saved there), or builtin:pydoc")
+    d.add_argument("--store", default=None,
+                   help="chunk store spec (default disk:<data-dir>/kv; e.g. redis://host:6379/0 to share "
+                        "compiled chunks between replicas)")
+    d.add_argument("--policy", default="legolink-16", help="default link policy (the page can switch)")
+    d.add_argument("--api-key", default=None,
+                   help="require this key (Authorization: Bearer KEY); default: $EPIC_RAG_API_KEY, else none")
+    d.add_argument("--model", default="smollm2-135m-instruct")
+    d.add_argument("--data-dir", default=None, help="default ~/.cache/epic_rag/demo")
+    d.add_argument("--top-k", type=int, default=4)
+    d.add_argument("--chunk-tokens", type=int, default=256)
+    d.add_argument("--max-model-len", type=int, default=8192)
+    d.add_argument("--no-browser-needed", action="store_true",
+                   help="do not open the page in a web browser (servers, CI, API-only use)")
+    d.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    d.set_defaults(func=cmd_demo)
+
+
+def _config(args):
+    from .config import DemoConfig, default_data_dir
+
+    if args.corpus != "builtin:pydoc" and not args.corpus.startswith("builtin:"):
+        p = Path(args.corpus).expanduser()
+        if not p.is_dir():
+            raise ValueError(f"--corpus {args.corpus}: not a folder")
+    return DemoConfig(corpus=args.corpus, data_dir=Path(args.data_dir) if args.data_dir else default_data_dir(),
+                      store=args.store, policy=args.policy, model=args.model,
+                      api_key=args.api_key or os.environ.get("EPIC_RAG_API_KEY") or None,
+                      top_k=args.top_k, chunk_tokens=args.chunk_tokens, max_model_len=args.max_model_len)
+
+
+def _progress_bars(library):
+    """tqdm bars on stderr that follow the library's ingestion progress."""
+    from tqdm import tqdm
+
+    bars: dict[str, tqdm] = {}
+
+    def update(p) -> None:
+        for name, done in (("embedded", p.embedded), ("compiled", p.compiled)):
+            bar = bars.get(name)
+            if bar is None:
+                bar = bars[name] = tqdm(total=max(p.chunks, 1), desc=f"chunks {name}", unit="chunk",
+                                        position=len(bars), leave=True, dynamic_ncols=True)
+            bar.total = max(p.chunks, 1)
+            bar.n = done
+            bar.refresh()
+
+    return update
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    logging.getLogger("apps").setLevel(args.log_level.upper())
+    cfg = _config(args)
+    from epic_rag import EngineConfig
+
+    from .config import open_demo_store
+    from .server import BackgroundServer, create_app
+
+    app = create_app(engine=None, config=cfg)
+    state = app.state.demo
+    # Serve at once (/healthz answers "loading"); the engine loads on this thread (vLLM wants the main one).
+    server = BackgroundServer(app, args.host, args.port, log_level=args.log_level)
+    server.start()
+    auth = "API key required" if cfg.api_key else "no API key"
+    print(f"epic-rag demo: {server.url}  ({auth}; corpus {cfg.corpus}; data {cfg.data_dir})", file=sys.stderr)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_key:
+        log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
+    try:
+        t0 = time.perf_counter()
+        from epic_rag import EpicEngine
+
+        store = open_demo_store(cfg.store_spec)
+        engine = EpicEngine(EngineConfig(model=cfg.model, policy=cfg.policy, store=store,
+                                         max_model_len=cfg.max_model_len))
+        print(f"engine ready in {time.perf_counter() - t0:.1f}s (store {type(engine.store).__name__}); "
+              "ingesting the corpus in the background", file=sys.stderr)
+        state.library.listeners.append(_progress_bars(state.library))
+        state.attach_engine(engine)
+        if not args.no_browser_needed and sys.stdout.isatty() and (
+                os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or sys.platform == "darwin"):
+            import webbrowser
+            webbrowser.open(server.url)
+        while server.thread.is_alive():
+            server.thread.join(1.0)
+    except KeyboardInterrupt:
+        print("\nstopping", file=sys.stderr)
+    finally:
+        server.stop()
+        if state.engine is not None:
+            state.engine.shutdown()
+    return 0

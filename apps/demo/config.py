@@ -1,0 +1,91 @@
+"""DemoConfig: what the demo server runs (corpus, store, limits), and opening its chunk store."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from epic_rag.models import DEFAULT_MODEL, cache_dir
+from epic_rag.policy import parse_policy
+
+log = logging.getLogger(__name__)
+
+# The policy switch in the page (the API accepts any name epic_rag.policy.parse_policy accepts).
+PAGE_POLICIES = ["legolink-16", "legolink-0", "naive", "cacheblend-15", "full", "prefix"]
+
+
+def default_data_dir() -> Path:
+    return cache_dir() / "demo"
+
+
+@dataclass(slots=True)
+class DemoConfig:
+    corpus: str = "builtin:pydoc"        # builtin:pydoc, builtin:pydoc:<mod>,<mod>..., or a folder
+    data_dir: Path = field(default_factory=default_data_dir)
+    store: str | None = None             # chunk store spec; None: a disk store under data_dir
+    policy: str = "legolink-16"          # default link policy (each request may pick another)
+    model: str = DEFAULT_MODEL
+    api_key: str | None = None           # when set, every route that does work needs it
+    top_k: int = 4
+    max_top_k: int = 16
+    chunk_tokens: int = 256
+    compile_batch: int = 16              # chunks per engine.compile call during ingestion
+    default_max_tokens: int = 128
+    max_tokens_limit: int = 1024
+    max_prompt_chars: int = 8000         # all message text of one request together
+    max_messages: int = 64
+    history_messages: int = 6            # earlier turns folded into the question as context
+    max_body_bytes: int = 1 << 20        # JSON bodies
+    max_upload_bytes: int = 10 << 20     # one uploaded document
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir).expanduser()
+        parse_policy(self.policy)
+        for name in ("top_k", "max_top_k", "chunk_tokens", "compile_batch", "default_max_tokens",
+                     "max_tokens_limit", "max_prompt_chars", "max_messages", "max_body_bytes",
+                     "max_upload_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < (0 if name == "top_k" else 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.top_k > self.max_top_k:
+            raise ValueError(f"top_k ({self.top_k}) exceeds max_top_k ({self.max_top_k})")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens exceeds max_tokens_limit")
+        if self.api_key is not None and not self.api_key:
+            self.api_key = None
+
+    @property
+    def store_spec(self) -> str:
+        return self.store or f"disk:{self.data_dir / 'kv'}"
+
+    @property
+    def corpus_dir(self) -> Path | None:
+        """The corpus folder when the corpus is one (uploads are saved there), else None."""
+        if self.corpus.startswith("builtin:"):
+            return None
+        return Path(self.corpus).expanduser().resolve()
+
+    @property
+    def uploads_dir(self) -> Path:
+        return self.corpus_dir or (self.data_dir / "uploads")
+
+    @property
+    def served_model(self) -> str:
+        """The model id /v1/models reports (a packaged name, or a model folder's name)."""
+        return Path(self.model).name if os.sep in self.model else self.model
+
+
+def open_demo_store(spec: str):
+    """Open the chunk store; a spec the store layer rejects falls back to memory with a warning."""
+    from epic_rag.store import open_store
+
+    if spec.startswith("disk:"):
+        Path(spec[5:]).expanduser().mkdir(parents=True, exist_ok=True)
+    try:
+        return open_store(spec)
+    except (ValueError, OSError, ImportError, ConnectionError) as e:
+        log.warning("chunk store %r is not available (%s); using the memory store instead, so compiled "
+                    "chunks will not survive a restart", spec, e)
+        return open_store("memory")

@@ -1,0 +1,424 @@
+"""The demo's document library: documents -> chunks -> FAISS index (retrieval) + compiled chunk KV.
+
+One background thread does all ingestion (chunking, embedding, engine.compile in batches), so the
+server answers while a corpus loads. Chunks become searchable once embedded; until a chunk is compiled
+a question that retrieves it passes its text and the engine compiles it on the fly.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from epic_rag.corpus import DOC_SUFFIXES, Document, chunk_document, pydoc_documents, read_document
+from epic_rag.types import ChunkRef
+
+from .config import DemoConfig
+
+log = logging.getLogger(__name__)
+
+_WINDOWS_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+def safe_upload_name(name: object) -> str:
+    """The basename an upload is stored under; ValueError for names that could escape the folder.
+
+    Rejects NUL and other control characters, absolute paths, any '..' component and hidden names;
+    keeps only the last path component of a relative name ('notes/a.txt' -> 'a.txt')."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("file name is empty")
+    if len(name) > 255:
+        raise ValueError("file name is longer than 255 characters")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        raise ValueError("file name contains NUL or control characters")
+    if name.startswith(("/", "\\")) or _WINDOWS_DRIVE.match(name):
+        raise ValueError("file name must not be an absolute path")
+    parts = re.split(r"[/\\]", name)
+    if any(p == ".." for p in parts):
+        raise ValueError("file name must not contain '..'")
+    base = parts[-1].strip()
+    if not base or base.startswith("."):
+        raise ValueError("file name must be a plain, non-hidden file name")
+    if Path(base).suffix.lower() not in DOC_SUFFIXES:
+        raise ValueError(f"unsupported file type {Path(base).suffix or '(none)'}; "
+                         f"supported: {', '.join(sorted(DOC_SUFFIXES))}")
+    return base
+
+
+@dataclass(slots=True)
+class ChunkRecord:
+    id: str                      # "<document>#<index>"
+    doc: str
+    index: int
+    text: str
+    ref: ChunkRef | None = None  # set once compiled into the store
+    failed: bool = False         # compile failed: questions pass the text (compiled on the fly)
+
+
+@dataclass(slots=True)
+class DocInfo:
+    name: str
+    source: str                  # builtin | corpus | upload
+    path: Path | None
+    chars: int
+    chunks: int = 0
+    compiled: int = 0
+    state: str = "queued"        # queued | indexing | compiling | ready | error
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "source": self.source, "chars": self.chars, "chunks": self.chunks,
+                "compiled": self.compiled, "state": self.state, "error": self.error}
+
+
+@dataclass(slots=True)
+class Progress:
+    state: str = "waiting"       # waiting (no engine yet) | loading | indexing | compiling | ready
+    documents: int = 0
+    chunks: int = 0
+    embedded: int = 0
+    compiled: int = 0
+    compile_seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict:
+        return {"state": self.state, "documents": self.documents, "chunks": self.chunks,
+                "embedded": self.embedded, "compiled": self.compiled,
+                "compile_seconds": round(self.compile_seconds, 2), "errors": self.errors[-10:],
+                "elapsed_s": round(time.time() - self.started, 1)}
+
+
+class Library:
+    """Documents, their chunks, the FAISS index and the ingestion thread. Thread-safe."""
+
+    def __init__(self, config: DemoConfig, encoder=None) -> None:
+        self.cfg = config
+        self._encoder = encoder
+        self.engine = None
+        self._lock = threading.RLock()
+        self.docs: dict[str, DocInfo] = {}
+        self.chunks: dict[str, ChunkRecord] = {}
+        self._ids: list[str] = []                            # chunk id per index row
+        self._emb = np.zeros((0, 384), dtype=np.float32)     # emb: [N, D], L2-normalised
+        self._index = None
+        self._tasks: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.progress = Progress()
+        self.listeners: list[Callable[[Progress], None]] = []   # called after each step (the CLI's tqdm)
+        self._emb_dir = config.data_dir / "embeddings"
+        self._enc_lock = threading.Lock()      # HF fast tokenizers are not safe to share across threads
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, engine) -> None:
+        """Attach the engine and start ingesting the configured corpus in the background."""
+        if self._thread is not None:
+            return
+        self.engine = engine
+        self.progress.state = "loading"
+        self._tasks.put(("load",))
+        self._thread = threading.Thread(target=self._run, name="epic-demo-ingest", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._tasks.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until everything queued so far is indexed and compiled (for tests and scripts)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.progress.state == "ready" and self._tasks.empty():
+                with self._lock:
+                    if all(c.ref is not None or c.failed for c in self.chunks.values()):
+                        return True
+            time.sleep(0.1)
+        return False
+
+    @property
+    def encoder(self):
+        if self._encoder is None:
+            from epic_rag.embeddings import sentence_encoder
+            self._encoder = sentence_encoder()
+        return self._encoder
+
+    # ------------------------------------------------------------------ public operations
+    def add_upload(self, filename: str, data: bytes) -> DocInfo:
+        """Validate and save an uploaded document, then index and compile it in the background."""
+        name = safe_upload_name(filename)
+        doc = read_document(name, data)       # ValueError on unsupported types, bad UTF-8, NUL bytes
+        folder = self.cfg.uploads_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        path = (folder / name).resolve()
+        if path.parent != folder.resolve():
+            raise ValueError("file name resolves outside the upload folder")
+        tmp = path.with_name(f".{name}.{os.getpid()}.part")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        info = DocInfo(name, "upload", path, len(doc.text))
+        with self._lock:
+            self._remove_locked(name)
+            self.docs[name] = info
+            self.progress.documents = len(self.docs)
+        self._tasks.put(("add", doc, info))
+        return info
+
+    def delete(self, name: str) -> DocInfo | None:
+        """Drop a document from the index; files in the upload/corpus folder are deleted too."""
+        with self._lock:
+            info = self._remove_locked(name)
+            self.progress.documents = len(self.docs)
+        if info is not None and info.path is not None:
+            folder = self.cfg.uploads_dir.resolve()
+            try:
+                if info.path.resolve().is_relative_to(folder):
+                    info.path.unlink(missing_ok=True)
+            except OSError as e:
+                log.warning("could not delete %s: %s", info.path, e)
+        return info
+
+    def list_documents(self) -> list[dict]:
+        with self._lock:
+            return [d.as_dict() for d in sorted(self.docs.values(), key=lambda d: d.name)]
+
+    def status(self) -> dict:
+        with self._lock:
+            return self.progress.as_dict()
+
+    def get_chunks(self, ids: list[str]) -> tuple[list[ChunkRecord], list[str]]:
+        """Records for chunk ids, and the ids not found."""
+        with self._lock:
+            found = [self.chunks[i] for i in ids if i in self.chunks]
+            return found, [i for i in ids if i not in self.chunks]
+
+    def search(self, query: str, k: int) -> list[tuple[ChunkRecord, float]]:
+        """Top-k chunks by cosine similarity (best first)."""
+        if k <= 0:
+            return []
+        vec = self._embed([query])
+        with self._lock:
+            if self._index is None or self._index.ntotal == 0:
+                return []
+            scores, rows = self._index.search(vec, min(k, self._index.ntotal))
+            return [(self.chunks[self._ids[r]], float(s)) for s, r in zip(scores[0], rows[0]) if r >= 0]
+
+    # ------------------------------------------------------------------ ingestion thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drain_tasks()
+                if self._compile_next_batch():
+                    continue
+                with self._lock:
+                    self.progress.state = "ready"
+                self._notify()
+                try:
+                    task = self._tasks.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                self._handle(task)
+            except Exception as e:  # keep the thread alive: report and go on
+                log.exception("ingestion step failed")
+                with self._lock:
+                    self.progress.errors.append(f"{type(e).__name__}: {e}")
+                time.sleep(1.0)
+
+    def _drain_tasks(self) -> None:
+        while not self._stop.is_set():
+            try:
+                task = self._tasks.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(task)
+
+    def _handle(self, task: tuple) -> None:
+        if task[0] == "load":
+            self._load_corpus()
+        elif task[0] == "add":
+            self._index_document(task[1], task[2])
+
+    def _load_corpus(self) -> None:
+        cfg = self.cfg
+        found: list[tuple[Document, str, Path | None]] = []
+        if cfg.corpus.startswith("builtin:pydoc"):
+            mods = cfg.corpus.removeprefix("builtin:pydoc").lstrip(":")
+            docs = pydoc_documents([m.strip() for m in mods.split(",") if m.strip()]) if mods else pydoc_documents()
+            found += [(d, "builtin", None) for d in docs]
+        elif cfg.corpus.startswith("builtin:"):
+            raise ValueError(f"unknown builtin corpus {cfg.corpus!r}; expected builtin:pydoc")
+        folder = cfg.uploads_dir
+        if folder.is_dir():
+            for p in sorted(folder.rglob("*")):
+                rel = p.relative_to(folder).as_posix()
+                if not p.is_file() or p.suffix.lower() not in DOC_SUFFIXES or any(
+                        part.startswith(".") for part in p.relative_to(folder).parts):
+                    continue
+                try:
+                    d = read_document(p.name, p.read_bytes())
+                except (ValueError, OSError) as e:
+                    with self._lock:
+                        self.progress.errors.append(str(e))
+                    continue
+                found.append((Document(rel, d.text), "corpus" if cfg.corpus_dir else "upload", p))
+        with self._lock:
+            for doc, source, path in found:
+                if doc.name not in self.docs:
+                    self.docs[doc.name] = DocInfo(doc.name, source, path, len(doc.text))
+            self.progress.documents = len(self.docs)
+        for doc, _, _ in found:
+            with self._lock:
+                info = self.docs.get(doc.name)
+            if info is not None and info.state == "queued":
+                self._index_document(doc, info)
+            if self._stop.is_set():
+                return
+
+    def _index_document(self, doc: Document, info: DocInfo) -> None:
+        with self._lock:
+            if self.docs.get(info.name) is not info or info.state != "queued":
+                return                      # deleted, replaced or already indexed meanwhile
+            info.state = "indexing"
+            self.progress.state = "indexing"
+        try:
+            pieces = chunk_document(doc, self.engine.tokenizer, self.cfg.chunk_tokens)
+        except Exception as e:
+            with self._lock:
+                info.state, info.error = "error", str(e)
+                self.progress.errors.append(f"{info.name}: {e}")
+            return
+        records = [ChunkRecord(f"{info.name}#{c.index}", info.name, c.index, c.text) for c in pieces]
+        with self._lock:
+            self.progress.chunks += len(records)
+        self._notify()
+        emb = self._embed([r.text for r in records], progress=True)
+        with self._lock:
+            if self.docs.get(info.name) is not info:
+                self.progress.chunks -= len(records)
+                self.progress.embedded -= len(records)
+                return
+            import faiss
+            if self._index is None:
+                faiss.omp_set_num_threads(1)
+                self._index = faiss.IndexFlatIP(emb.shape[1])
+                self._emb = np.zeros((0, emb.shape[1]), dtype=np.float32)
+            for r in records:
+                self.chunks[r.id] = r
+            self._ids += [r.id for r in records]
+            self._emb = np.concatenate([self._emb, emb])
+            self._index.add(emb)
+            info.chunks = len(records)
+            info.state = "compiling" if records else "ready"
+
+    def _compile_next_batch(self) -> bool:
+        """Compile up to compile_batch pending chunks; False when nothing is pending."""
+        with self._lock:
+            batch = [c for c in self.chunks.values() if c.ref is None and not c.failed][: self.cfg.compile_batch]
+            if not batch:
+                return False
+            self.progress.state = "compiling"
+        t0 = time.perf_counter()
+        try:
+            refs = self.engine.compile([c.text for c in batch])
+        except Exception as e:
+            log.exception("compiling %d chunks failed", len(batch))
+            with self._lock:
+                self.progress.errors.append(f"compile: {e}")
+                for c in batch:            # left to on-the-fly compile at question time
+                    c.failed = True
+                    if c.doc in self.docs:
+                        self.docs[c.doc].state, self.docs[c.doc].error = "error", str(e)
+            return True
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.progress.compile_seconds += dt
+            for c, ref in zip(batch, refs):
+                c.ref = ref
+                info = self.docs.get(c.doc)
+                if info is not None and self.chunks.get(c.id) is c:
+                    info.compiled += 1
+                    self.progress.compiled += 1
+                    if info.compiled >= info.chunks:
+                        info.state = "ready"
+        self._notify()
+        return True
+
+    def _remove_locked(self, name: str) -> DocInfo | None:
+        info = self.docs.pop(name, None)
+        if info is None:
+            return None
+        gone = {cid for cid, c in self.chunks.items() if c.doc == name}
+        if gone:
+            keep = [i for i, cid in enumerate(self._ids) if cid not in gone]
+            for cid in gone:
+                c = self.chunks.pop(cid)
+                if c.ref is not None:
+                    self.progress.compiled -= 1
+            self.progress.chunks -= len(gone)
+            self.progress.embedded -= len(gone)
+            self._ids = [self._ids[i] for i in keep]
+            self._emb = self._emb[keep]
+            import faiss
+            self._index = faiss.IndexFlatIP(self._emb.shape[1])
+            if len(self._ids):
+                self._index.add(self._emb)
+        return info
+
+    # ------------------------------------------------------------------ embeddings (cached on disk)
+    def _embed(self, texts: list[str], progress: bool = False) -> np.ndarray:
+        """L2-normalised embeddings [N, D]; document chunks are cached under data_dir/embeddings."""
+        out: list[np.ndarray | None] = [None] * len(texts)
+        keys = [hashlib.sha256(t.encode()).hexdigest()[:32] for t in texts] if progress else []
+        todo = list(range(len(texts)))
+        if progress:
+            todo = []
+            for i, k in enumerate(keys):
+                try:
+                    out[i] = np.load(self._emb_dir / f"{k}.npy")
+                except (OSError, ValueError):
+                    todo.append(i)
+            with self._lock:
+                self.progress.embedded += len(texts) - len(todo)
+        for s in range(0, len(todo), 32):
+            part = todo[s:s + 32]
+            with self._enc_lock:
+                vecs = np.asarray(self.encoder.encode([texts[i] for i in part], normalize_embeddings=True,
+                                                      batch_size=32, show_progress_bar=False), dtype=np.float32)
+            for i, v in zip(part, vecs):
+                out[i] = v
+                if progress:
+                    self._save_embedding(keys[i], v)
+            if progress:
+                with self._lock:
+                    self.progress.embedded += len(part)
+                self._notify()
+        if not texts:
+            return np.zeros((0, 384), dtype=np.float32)
+        return np.stack(out).astype(np.float32)  # type: ignore[arg-type]
+
+    def _save_embedding(self, key: str, vec: np.ndarray) -> None:
+        try:
+            self._emb_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self._emb_dir / f".{key}.{threading.get_ident()}.npy"
+            np.save(tmp, vec)
+            os.replace(tmp, self._emb_dir / f"{key}.npy")
+        except OSError as e:
+            log.debug("embedding cache write failed: %s", e)
+
+    def _notify(self) -> None:
+        for fn in list(self.listeners):
+            try:
+                fn(self.progress)
+            except Exception:
+                log.debug("progress listener failed", exc_info=True)

@@ -1,0 +1,86 @@
+"""Prometheus metrics of one demo app (its own registry, so several apps can live in one process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _StoreCollector:
+    """Chunk store counters per tier (engine.store.tier_stats(), else the store's stats), read at scrape."""
+
+    def __init__(self, get_engine, library) -> None:
+        self._engine = get_engine
+        self._library = library
+
+    def collect(self):
+        engine = self._engine()
+        tiers: dict[str, dict] = {}
+        if engine is not None:
+            store = engine.store
+            if hasattr(store, "tier_stats"):
+                tiers = store.tier_stats()
+            elif hasattr(store, "stats"):
+                st = store.stats
+                tiers = {getattr(store, "name", "store"): st.as_dict() if hasattr(st, "as_dict") else dict(st)}
+        counters = {"hits": "chunk lookups the tier answered", "misses": "chunk lookups the tier missed",
+                    "puts": "chunks written", "evictions": "chunks evicted", "errors": "tier errors",
+                    "corrupt": "corrupt entries dropped"}
+        for name, doc in counters.items():
+            fam = CounterMetricFamily(f"epic_rag_store_{name}", doc, labels=["tier"])
+            for tier, st in tiers.items():
+                if name in st:
+                    fam.add_metric([tier], float(st[name]))
+            yield fam
+        for name, doc in {"bytes": "bytes held", "entries": "chunks held"}.items():
+            fam = GaugeMetricFamily(f"epic_rag_store_{name}", doc, labels=["tier"])
+            for tier, st in tiers.items():
+                if name in st:
+                    fam.add_metric([tier], float(st[name]))
+            yield fam
+        p = self._library.status()
+        g = GaugeMetricFamily("epic_rag_corpus", "documents and chunks in the demo corpus", labels=["what"])
+        for what in ("documents", "chunks", "embedded", "compiled"):
+            g.add_metric([what], float(p[what]))
+        yield g
+
+
+class DemoMetrics:
+    def __init__(self, get_engine, library) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("epic_rag_http_requests", "HTTP requests by route and status",
+                                ["route", "method", "status"], registry=r)
+        self.chat = Counter("epic_rag_chat_completions", "chat completions by policy and outcome",
+                            ["policy", "stream", "outcome"], registry=r)
+        self.ttft = Histogram("epic_rag_time_to_first_token_seconds", "engine time to first token",
+                              ["policy"], buckets=TTFT_BUCKETS, registry=r)
+        self.retrieval = Histogram("epic_rag_retrieval_seconds", "query embedding + FAISS search",
+                                   buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
+        self.prompt_tokens = Counter("epic_rag_prompt_tokens", "prompt tokens", ["policy"], registry=r)
+        self.linked_tokens = Counter("epic_rag_linked_tokens", "prompt tokens whose KV was linked from the store",
+                                     ["policy"], registry=r)
+        self.recomputed_tokens = Counter("epic_rag_recomputed_tokens", "prompt tokens recomputed",
+                                         ["policy"], registry=r)
+        self.generation_tokens = Counter("epic_rag_generation_tokens", "generated tokens", ["policy"], registry=r)
+        self.chunk_hits = Counter("epic_rag_request_chunk_hits", "chunks found compiled in the store",
+                                  ["policy"], registry=r)
+        self.chunk_misses = Counter("epic_rag_request_chunk_misses", "chunks compiled at question time",
+                                    ["policy"], registry=r)
+        self.errors = Counter("epic_rag_errors", "errors by kind", ["kind"], registry=r)
+        self.inflight = Gauge("epic_rag_inflight_requests", "chat completions in progress", registry=r)
+        r.register(_StoreCollector(get_engine, library))
+
+    def observe_generation(self, gen, stream: bool) -> None:
+        p = gen.policy
+        self.chat.labels(p, str(stream).lower(), "ok").inc()
+        self.ttft.labels(p).observe(gen.ttft_s)
+        self.prompt_tokens.labels(p).inc(gen.prompt_tokens)
+        self.linked_tokens.labels(p).inc(gen.linked_tokens)
+        self.recomputed_tokens.labels(p).inc(gen.recomputed_tokens)
+        self.generation_tokens.labels(p).inc(len(gen.token_ids))
+        self.chunk_hits.labels(p).inc(gen.chunk_hits)
+        self.chunk_misses.labels(p).inc(gen.chunk_misses)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,524 @@
+"""The demo's FastAPI app: chat page, document routes, OpenAI-compatible API, health and metrics.
+
+Every chat request goes through the engine's async path (EpicEngine.astream_events) with no lock
+around generation, so vLLM batches concurrent chats. A client that disconnects cancels its stream:
+the cancellation reaches the engine's async generator, which aborts the request in vLLM.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, File, HTTPException, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from epic_rag.policy import parse_policy
+from epic_rag.types import Generation, RagRequest
+
+from .config import PAGE_POLICIES, DemoConfig
+from .library import ChunkRecord, Library
+from .metrics import DemoMetrics
+from .schemas import ChatCompletionRequest
+
+log = logging.getLogger(__name__)
+STATIC_DIR = Path(__file__).parent / "static"
+PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+            "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+
+
+class DemoState:
+    """What the routes share: config, engine (None while it loads), library, metrics."""
+
+    def __init__(self, config: DemoConfig, encoder=None) -> None:
+        self.cfg = config
+        self.engine = None
+        self.library = Library(config, encoder)
+        self.metrics = DemoMetrics(lambda: self.engine, self.library)
+        self.started = time.time()
+
+    def attach_engine(self, engine) -> None:
+        """Hand over a ready engine: the corpus starts loading in the background."""
+        self.engine = engine
+        self.library.start(engine)
+
+
+# ---------------------------------------------------------------------- ASGI middleware
+class _BodyTooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
+
+
+class LimitsAndMetrics:
+    """Caps request bodies (413 before the route reads past the limit), counts requests by route."""
+
+    def __init__(self, app, state: DemoState) -> None:
+        self.app = app
+        self.state = state
+
+    def _limit(self, path: str) -> int:
+        cfg = self.state.cfg
+        return cfg.max_upload_bytes + (64 << 10) if path == "/api/documents" else cfg.max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self._limit(scope["path"])
+        status = {"code": 500}
+
+        async def send_wrapper(msg):
+            if msg["type"] == "http.response.start":
+                status["code"] = msg["status"]
+                headers = list(msg.get("headers", []))
+                headers.append((b"x-content-type-options", b"nosniff"))
+                msg = {**msg, "headers": headers}
+            await send(msg)
+
+        try:
+            declared = dict(scope.get("headers") or []).get(b"content-length")
+            if declared is not None and (not declared.isdigit() or int(declared) > limit):
+                resp = _error_response(413 if declared.isdigit() else 400,
+                                       f"request body exceeds the limit of {limit} bytes"
+                                       if declared.isdigit() else "bad Content-Length header")
+                await resp(scope, receive, send_wrapper)
+                return
+            seen = 0
+
+            async def limited_receive():
+                nonlocal seen
+                msg = await receive()
+                if msg["type"] == "http.request":
+                    seen += len(msg.get("body", b""))
+                    if seen > limit:
+                        raise _BodyTooLarge(limit)
+                return msg
+
+            await self.app(scope, limited_receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", None) or ("/static" if scope["path"].startswith("/static/") else "other")
+            m = self.state.metrics
+            m.requests.labels(label, scope.get("method", ""), str(status["code"])).inc()
+            if status["code"] >= 400:
+                m.errors.labels(f"http_{status['code']}").inc()
+
+
+def _error_response(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "request_too_large", 503: "service_unavailable"}.get(status, "server_error" if status >= 500
+                                                                      else "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    e = errs[0]
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    if e.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+    if e.get("type") == "model_attributes_type" and not loc:
+        return "request body must be a JSON object", None
+    where = ".".join(loc) or "body"
+    more = f" (and {len(errs) - 1} more problems)" if len(errs) > 1 else ""
+    return f"{where}: {e.get('msg', 'invalid value')}{more}", where
+
+
+# ---------------------------------------------------------------------- streaming response
+class EventStreamResponse(StreamingResponse):
+    """SSE response that stops (and closes its generator) as soon as the client disconnects."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send):
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream():
+                    await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(BaseException):
+                    await aclose()
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+# ---------------------------------------------------------------------- app
+def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -> FastAPI:
+    """The demo app. Pass a ready engine (tests share one), or attach one later with
+    app.state.demo.attach_engine(engine) (the CLI serves /healthz while the engine loads)."""
+    cfg = config or DemoConfig()
+    state = DemoState(cfg, encoder)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        state.library.stop()
+
+    app = FastAPI(title="epic-rag demo", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.demo = state
+    app.add_middleware(LimitsAndMetrics, state=state)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError):
+        msg, param = _validation_message(exc)
+        return _error_response(400, msg, param)
+
+    @app.exception_handler(HTTPException)
+    async def _on_http(request: Request, exc: HTTPException):
+        return _error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_starlette_http(request: Request, exc: StarletteHTTPException):
+        return _error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _on_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return _error_response(500, f"internal error: {type(exc).__name__}")
+
+    def require_key(request: Request) -> None:
+        key = cfg.api_key
+        if not key:
+            return
+        auth = request.headers.get("authorization", "")
+        got = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(got.encode("utf-8", "surrogateescape"), key.encode("utf-8")):
+            raise HTTPException(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    def need_engine():
+        if state.engine is None:
+            raise HTTPException(503, "the engine is still loading; retry in a few seconds",
+                                headers={"Retry-After": "5"})
+        return state.engine
+
+    # ------------------------------------------------------------------ open routes
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok" if state.engine is not None else "loading", "model": cfg.served_model,
+                "ingest": state.library.progress.state, "auth_required": cfg.api_key is not None,
+                "default_policy": cfg.policy, "policies": PAGE_POLICIES, "top_k": cfg.top_k,
+                "max_top_k": cfg.max_top_k, "default_max_tokens": cfg.default_max_tokens,
+                "max_tokens_limit": cfg.max_tokens_limit, "max_upload_bytes": cfg.max_upload_bytes,
+                "uptime_s": round(time.time() - state.started, 1)}
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
+                            headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    # ------------------------------------------------------------------ routes that do work
+    api = APIRouter(dependencies=[Depends(require_key)])
+
+    @api.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.served_model, "object": "model",
+                                            "created": int(state.started), "owned_by": "epic-rag"}]}
+
+    @api.get("/api/status")
+    async def status():
+        return {**state.library.status(), "engine": state.engine is not None}
+
+    @api.get("/api/documents")
+    async def list_documents():
+        return {"documents": state.library.list_documents(), "status": state.library.status()}
+
+    @api.post("/api/documents", status_code=202)
+    async def upload_document(file: UploadFile = File(...)):
+        data = await file.read(cfg.max_upload_bytes + 1)
+        if len(data) > cfg.max_upload_bytes:
+            raise HTTPException(413, f"document exceeds the upload limit of {cfg.max_upload_bytes} bytes")
+        try:
+            info = await asyncio.to_thread(state.library.add_upload, file.filename or "", data)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        return {"document": info.as_dict()}
+
+    @api.delete("/api/documents/{name:path}")
+    async def delete_document(name: str):
+        info = await asyncio.to_thread(state.library.delete, name)
+        if info is None:
+            raise HTTPException(404, f"no document named {name!r}")
+        return {"deleted": info.name, "file_removed": info.path is not None}
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        engine = need_engine()
+        plan = await _plan(state, body, engine)
+        if body.stream:
+            return EventStreamResponse(_stream(state, engine, body, plan),
+                                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _complete(state, engine, body, plan, request)
+
+    app.include_router(api)
+    if engine is not None:
+        state.attach_engine(engine)
+    return app
+
+
+# ---------------------------------------------------------------------- chat completions
+class _Plan:
+    """One chat request resolved: engine request, sources, sampling settings."""
+
+    def __init__(self, req, sources: list[dict], policy: str, max_tokens: int, temperature: float,
+                 retrieval_s: float) -> None:
+        self.req = req
+        self.sources = sources
+        self.policy = policy
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.retrieval_s = retrieval_s
+        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+
+
+async def _plan(state: DemoState, body: ChatCompletionRequest, engine) -> _Plan:
+    cfg = state.cfg
+    if body.model and body.model not in (cfg.served_model, cfg.model, "epic-rag", "default"):
+        raise HTTPException(404, f"model {body.model!r} not found; this server serves {cfg.served_model!r}")
+    if len(body.messages) > cfg.max_messages:
+        raise HTTPException(400, f"messages: at most {cfg.max_messages} messages per request")
+    chars = sum(len(m.text) for m in body.messages)
+    if chars > cfg.max_prompt_chars:
+        raise HTTPException(400, f"prompt too long: {chars} characters of messages, limit {cfg.max_prompt_chars}")
+    last = body.messages[-1]
+    if last.role != "user" or not last.text.strip():
+        raise HTTPException(400, "messages: the last message must be a non-empty user message")
+    max_tokens = body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens
+    if max_tokens > cfg.max_tokens_limit:
+        raise HTTPException(400, f"max_tokens must be at most {cfg.max_tokens_limit}, got {max_tokens}")
+    policy = body.policy or cfg.policy
+    try:
+        policy = parse_policy(policy).name
+    except ValueError as e:
+        raise HTTPException(400, f"policy: {e}") from None
+    top_k = cfg.top_k if body.top_k is None else body.top_k
+    if top_k > cfg.max_top_k:
+        raise HTTPException(400, f"top_k must be at most {cfg.max_top_k}, got {top_k}")
+    temperature = 0.0 if body.temperature is None else float(body.temperature)
+
+    system = "\n".join(m.text for m in body.messages if m.role in ("system", "developer") and m.text) or None
+    dialog = [m for m in body.messages if m.role in ("user", "assistant")]
+    question = last.text.strip()
+
+    t0 = time.perf_counter()
+    picked: list[tuple[ChunkRecord, float | None]] = []
+    if body.chunk_ids:
+        found, missing = state.library.get_chunks(list(dict.fromkeys(body.chunk_ids)))
+        if missing:
+            raise HTTPException(400, f"chunk_ids: unknown chunk ids {missing[:5]} (ids look like 'doc.txt#0')")
+        picked = [(c, None) for c in found]
+    elif body.use_retrieval and top_k > 0:
+        picked = await asyncio.to_thread(state.library.search, question, top_k)
+    retrieval_s = time.perf_counter() - t0
+    if not body.chunk_ids and body.use_retrieval and top_k > 0:
+        state.metrics.retrieval.observe(retrieval_s)
+
+    tok = engine.tokenizer
+    if picked:
+        earlier = dialog[:-1][-cfg.history_messages:]
+        if earlier:
+            lines = "\n".join(f"{m.role.capitalize()}: {m.text.strip()}" for m in earlier)
+            question = f"{question}\n\n(Earlier in this conversation:\n{lines})"
+        chunks = [c.ref if c.ref is not None and c.ref.key else c.text for c, _ in picked]
+        req = RagRequest(question=question, chunks=chunks, system=system)
+        budget = len(tok.encode(question, add_special_tokens=False)) + 64 + sum(
+            c.ref.num_tokens if c.ref is not None and c.ref.key else len(tok.encode(c.text, add_special_tokens=False))
+            for c, _ in picked)
+    else:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": m.role, "content": m.text} for m in dialog[-(cfg.history_messages + 1):]]
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        req = [text]
+        budget = len(tok.encode(text, add_special_tokens=False))
+    if budget >= engine.max_model_len:
+        raise HTTPException(400, f"prompt too long: about {budget} tokens with the retrieved chunks; the "
+                                 f"context window is {engine.max_model_len} (lower top_k or shorten messages)")
+    sources = [{"n": i + 1, "id": c.id, "doc": c.doc, "index": c.index,
+                "score": None if s is None else round(s, 4),
+                "tokens": c.ref.num_tokens if c.ref is not None and c.ref.key else None,
+                "compiled": c.ref is not None and bool(c.ref.key), "text": c.text}
+               for i, (c, s) in enumerate(picked)]
+    return _Plan(req, sources, policy, max_tokens, temperature, retrieval_s)
+
+
+def _epic(plan: _Plan, gen: Generation | None) -> dict:
+    out = {"policy": plan.policy, "retrieval_s": round(plan.retrieval_s, 4), "sources": plan.sources}
+    if gen is not None:
+        out.update(ttft_s=round(gen.ttft_s, 4), total_s=round(gen.total_s, 4), prompt_tokens=gen.prompt_tokens,
+                   linked_tokens=gen.linked_tokens, recomputed_tokens=gen.recomputed_tokens,
+                   chunk_hits=gen.chunk_hits, chunk_misses=gen.chunk_misses)
+    return out
+
+
+def _usage(gen: Generation) -> dict:
+    n = len(gen.token_ids)
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": n, "total_tokens": gen.prompt_tokens + n}
+
+
+def _events(engine, body: ChatCompletionRequest, plan: _Plan):
+    return engine.astream_events(plan.req, max_tokens=plan.max_tokens, temperature=plan.temperature,
+                                 policy=plan.policy, stop=body.stop_list)
+
+
+async def _complete(state: DemoState, engine, body: ChatCompletionRequest, plan: _Plan, request: Request):
+    m = state.metrics
+
+    async def collect() -> Generation:
+        async with contextlib.aclosing(_events(engine, body, plan)) as events:
+            async for ev in events:
+                if isinstance(ev, Generation):
+                    return ev
+        raise RuntimeError("generation ended without a result")
+
+    m.inflight.inc()
+    task = asyncio.create_task(collect())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                break
+            if await request.is_disconnected():     # nobody to answer: abort in the engine
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                m.chat.labels(plan.policy, "false", "cancelled").inc()
+                return Response(status_code=499)
+        try:
+            gen = task.result()
+        except ValueError as e:
+            m.chat.labels(plan.policy, "false", "error").inc()
+            raise HTTPException(400, str(e)) from None
+        except Exception as e:
+            log.exception("generation failed")
+            m.chat.labels(plan.policy, "false", "error").inc()
+            m.errors.labels("engine").inc()
+            raise HTTPException(500, f"generation failed: {e}") from None
+    finally:
+        if not task.done():
+            task.cancel()
+        m.inflight.dec()
+    m.observe_generation(gen, stream=False)
+    return {"id": plan.id, "object": "chat.completion", "created": plan.created, "model": state.cfg.served_model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
+                         "finish_reason": gen.finish_reason or "stop", "logprobs": None}],
+            "usage": _usage(gen), "epic": _epic(plan, gen)}
+
+
+async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _Plan):
+    m = state.metrics
+    model = state.cfg.served_model
+
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        return _sse({"id": plan.id, "object": "chat.completion.chunk", "created": plan.created, "model": model,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra})
+
+    m.inflight.inc()
+    outcome = "cancelled"
+    try:
+        # Sources are known before the first token: the page shows citations while the answer streams.
+        yield chunk({"role": "assistant", "content": ""}, epic=_epic(plan, None))
+        gen: Generation | None = None
+        try:
+            async with contextlib.aclosing(_events(engine, body, plan)) as events:
+                async for ev in events:
+                    if isinstance(ev, Generation):
+                        gen = ev
+                    elif ev.text:
+                        yield chunk({"content": ev.text})
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as e:
+            outcome = "error"
+            if not isinstance(e, ValueError):
+                log.exception("streamed generation failed")
+            m.errors.labels("engine" if not isinstance(e, ValueError) else "bad_request").inc()
+            yield _sse({"error": {"message": str(e), "type": "invalid_request_error" if isinstance(e, ValueError)
+                                  else "server_error", "param": None, "code": 400 if isinstance(e, ValueError)
+                                  else 500}})
+            yield "data: [DONE]\n\n"
+            return
+        if gen is None:
+            outcome = "error"
+            yield _sse({"error": {"message": "generation ended without a result", "type": "server_error",
+                                  "param": None, "code": 500}})
+            yield "data: [DONE]\n\n"
+            return
+        outcome = "ok"
+        m.observe_generation(gen, stream=True)
+        yield chunk({}, gen.finish_reason or "stop", epic=_epic(plan, gen))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield _sse({"id": plan.id, "object": "chat.completion.chunk", "created": plan.created, "model": model,
+                        "choices": [], "usage": _usage(gen)})
+        yield "data: [DONE]\n\n"
+    finally:
+        m.inflight.dec()
+        if outcome != "ok":
+            m.chat.labels(plan.policy, "true", outcome).inc()
+
+
+# ---------------------------------------------------------------------- serving in a thread
+class BackgroundServer:
+    """uvicorn in a daemon thread on an already bound socket (port 0 picks a free port)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="epic-demo-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+        self.thread.start()
+        end = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > end:
+                raise RuntimeError("the demo server did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
