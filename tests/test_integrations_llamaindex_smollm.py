@@ -1,0 +1,201 @@
+"""LlamaIndex on the real SmolLM2: a stock VectorStoreIndex query engine over FAISS (llama-index-vector-stores-faiss)
+with the packaged all-MiniLM-L6-v2 embeddings, on Python's pydoc text, linking retrieved nodes from cache."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+pytest.importorskip("llama_index.core")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from llama_index.core import Settings, StorageContext, VectorStoreIndex  # noqa: E402
+from llama_index.core.base.llms.types import ChatMessage  # noqa: E402
+from llama_index.core.base.response.schema import Response, StreamingResponse  # noqa: E402
+from llama_index.core.bridge.pydantic import Field  # noqa: E402
+from llama_index.core.ingestion import IngestionPipeline  # noqa: E402
+from llama_index.core.instrumentation import get_dispatcher  # noqa: E402
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
+from llama_index.core.instrumentation.events.llm import (  # noqa: E402
+    LLMChatEndEvent,
+    LLMChatStartEvent,
+    LLMCompletionEndEvent,
+)
+from llama_index.core.query_engine import RetrieverQueryEngine  # noqa: E402
+from llama_index.core.schema import TextNode  # noqa: E402
+
+from epic_rag.integrations import STAT_KEYS  # noqa: E402
+from epic_rag.integrations.llamaindex import (  # noqa: E402
+    EpicChunkCompiler,
+    EpicLLM,
+    EpicSynthesizer,
+    node_llm_text,
+)
+
+pytestmark = pytest.mark.smollm
+
+# Retrieve the same two heapq chunks, in opposite orders (checked in the tests).
+Q1 = "What does heapq.heappush do?"
+Q2 = "What does heapq.heappop do?"
+
+
+class _Catch(BaseEventHandler):
+    events: list = Field(default_factory=list)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "_Catch"
+
+    def handle(self, event: Any, **kwargs: Any) -> None:
+        self.events.append(event)
+
+
+@pytest.fixture
+def events():
+    root = get_dispatcher()
+    h = _Catch()
+    root.add_event_handler(h)
+    yield h.events
+    root.event_handlers.remove(h)
+
+
+def _pydoc_nodes(tokenizer) -> list[TextNode]:
+    from epic_rag.corpus import chunk_document, pydoc_documents
+
+    nodes = []
+    for d in pydoc_documents(["json", "heapq", "bisect"]):
+        for c in chunk_document(d, tokenizer, max_tokens=192):
+            # The metadata header ("doc: pydoc-heapq.txt") is part of what the LLM sees; not embedded.
+            nodes.append(TextNode(text=c.text, id_=f"{c.doc}#{c.index}", metadata={"doc": c.doc},
+                                  excluded_embed_metadata_keys=["doc"]))
+    return nodes
+
+
+@pytest.fixture(scope="module")
+def li_index(smol_engine):
+    import faiss
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+    from llama_index.vector_stores.faiss import FaissVectorStore
+
+    from epic_rag.embeddings import minilm_dir
+
+    saved = (Settings._llm, Settings._embed_model)
+    Settings.embed_model = HuggingFaceEmbedding(model_name=str(minilm_dir()))
+    Settings.llm = EpicLLM(engine=smol_engine, max_tokens=24)
+    compiler = EpicChunkCompiler(engine=smol_engine)
+    nodes = IngestionPipeline(transformations=[compiler, Settings.embed_model]).run(nodes=_pydoc_nodes(
+        smol_engine.tokenizer))
+    store = FaissVectorStore(faiss_index=faiss.IndexFlatIP(384))
+    index = VectorStoreIndex(nodes, storage_context=StorageContext.from_defaults(vector_store=store))
+    yield index
+    Settings._llm, Settings._embed_model = saved
+
+
+def _chat_end(events) -> LLMChatEndEvent:
+    ends = [e for e in events if isinstance(e, LLMChatEndEvent)]
+    assert len(ends) == 1, [type(e).__name__ for e in events]
+    return ends[0]
+
+
+def test_ingestion_compiles_each_node_llm_text_including_the_metadata_header(smol_engine, li_index):
+    node = li_index.docstore.get_node("pydoc-heapq.txt#2")
+    text = node_llm_text(node)
+    assert text.startswith("doc: pydoc-heapq.txt\n\n")
+    assert smol_engine.text_index.get(text) is not None
+
+
+def test_stock_query_engine_answers_from_the_index_with_linked_chunks(smol_engine, li_index, events):
+    qe = li_index.as_query_engine(similarity_top_k=2)        # default response mode (compact)
+    response = qe.query(Q1)
+    assert isinstance(response, Response) and response.response.strip()
+    assert [n.node.node_id for n in response.source_nodes] == ["pydoc-heapq.txt#7", "pydoc-heapq.txt#2"]
+    stats = _chat_end(events).response.additional_kwargs
+    assert set(STAT_KEYS) <= set(stats)
+    assert stats["chunk_hits"] == 2 and stats["chunk_misses"] == 0 and stats["linked_tokens"] > 0
+    compiled = [smol_engine.text_index.get(node_llm_text(n.node)).key for n in response.source_nodes]
+    assert stats["chunk_keys"] == compiled                   # the retrieved nodes, in prompt order
+    assert any(isinstance(e, LLMChatStartEvent) for e in events)
+
+
+def test_second_question_with_same_chunks_in_another_order_compiles_nothing(smol_engine, li_index, events):
+    qe = li_index.as_query_engine(similarity_top_k=2)
+    first = qe.query(Q1)
+    events.clear()
+    second = qe.query(Q2)
+    ids1 = [n.node.node_id for n in first.source_nodes]
+    ids2 = [n.node.node_id for n in second.source_nodes]
+    assert ids2 == ids1[::-1]
+    stats = _chat_end(events).response.additional_kwargs
+    assert stats["chunk_misses"] == 0 and stats["chunk_hits"] == 2
+    assert 0 < stats["recomputed_tokens"] < stats["prompt_tokens"]
+
+
+def test_stock_streaming_query_engine_links_chunks(li_index, events):
+    qe = li_index.as_query_engine(similarity_top_k=2, streaming=True)
+    response = qe.query(Q2)
+    assert isinstance(response, StreamingResponse)
+    pieces = list(response.response_gen)
+    assert len([p for p in pieces if p]) > 1 and "".join(pieces).strip()
+    stats = _chat_end(events).response.additional_kwargs
+    assert stats["chunk_hits"] == 2 and stats["chunk_misses"] == 0
+
+
+def test_epic_synthesizer_passes_nodes_as_chunks_and_fills_response_metadata(smol_engine, li_index):
+    retriever = li_index.as_retriever(similarity_top_k=2)
+    qe = RetrieverQueryEngine(retriever, response_synthesizer=EpicSynthesizer(llm=Settings.llm))
+    response = qe.query(Q1)
+    assert response.response.strip()
+    meta = response.metadata
+    assert set(STAT_KEYS) <= set(meta)
+    assert meta["chunk_hits"] == 2 and meta["chunk_misses"] == 0 and meta["linked_tokens"] > 0
+    assert "pydoc-heapq.txt#2" in meta                       # the usual node metadata stays
+
+
+def test_epic_synthesizer_streaming_fills_metadata_when_the_stream_ends(li_index):
+    retriever = li_index.as_retriever(similarity_top_k=2)
+    qe = RetrieverQueryEngine(retriever, response_synthesizer=EpicSynthesizer(llm=Settings.llm, streaming=True))
+    response = qe.query(Q2)
+    assert "chunk_hits" not in response.metadata
+    text = "".join(response.response_gen)
+    assert text.strip() and response.metadata["chunk_hits"] == 2 and response.metadata["chunk_misses"] == 0
+
+
+async def test_epic_synthesizer_async_query(li_index):
+    retriever = li_index.as_retriever(similarity_top_k=2)
+    qe = RetrieverQueryEngine(retriever, response_synthesizer=EpicSynthesizer(llm=Settings.llm, max_tokens=8))
+    response = await qe.aquery(Q1)
+    assert response.response.strip() and response.metadata["chunk_misses"] == 0
+
+
+def test_epic_llm_metadata_reports_the_engine(smol_engine):
+    md = EpicLLM(engine=smol_engine, max_tokens=40).metadata
+    assert md.context_window == smol_engine.max_model_len == 8192
+    assert md.num_output == 40 and md.is_chat_model and md.model_name == "smollm2-135m-instruct"
+
+
+def test_epic_llm_complete_chat_and_streams_carry_linking_figures(smol_engine, events):
+    llm = EpicLLM(engine=smol_engine, max_tokens=6)
+    r = llm.complete("Name a colour.")
+    assert r.text and set(STAT_KEYS) <= set(r.additional_kwargs)
+    last = list(llm.stream_complete("Name a colour.", max_tokens=4))[-1]
+    assert last.additional_kwargs["policy"] == "legolink-16"
+    c = llm.chat([ChatMessage(role="user", content="Say hello.")], temperature=0.0)
+    assert c.message.content and c.additional_kwargs["prompt_tokens"] > 0
+    parts = list(llm.stream_chat([ChatMessage(role="user", content="Say hello.")]))
+    assert parts[-1].message.content == "".join(p.delta for p in parts)
+    assert any(isinstance(e, LLMCompletionEndEvent) for e in events)
+    assert sum(isinstance(e, LLMChatEndEvent) for e in events) == 2
+
+
+async def test_epic_llm_async_forms(smol_engine):
+    llm = EpicLLM(engine=smol_engine, max_tokens=4)
+    r = await llm.acomplete("Name a colour.")
+    assert r.additional_kwargs["completion_tokens"] > 0
+    gen = await llm.astream_chat([ChatMessage(role="user", content="Say hello.")])
+    parts = [p async for p in gen]
+    assert parts and "ttft_s" in parts[-1].additional_kwargs
+    c = await llm.achat([ChatMessage(role="user", content="Say hello.")])
+    assert c.message.content
+    gen = await llm.astream_complete("Name a colour.")
+    assert "ttft_s" in [p async for p in gen][-1].additional_kwargs
