@@ -130,7 +130,9 @@ def test_empty_chunk_list_is_plain_generation(tiny_engine, bad, match):
     (lambda: RagRequest(question="q", chunks=["word " * 3000]), "context window"),
     (lambda: RagRequest(question="q", chunks=[ChunkRef("plain-doesnotexist", 3)]), "not in the store"),
     (lambda: RagRequest(question="q", chunks=[42]), "string"),
-    (lambda: "just a string", "RagRequest"),
+    (lambda: 12345, "RagRequest"),
+    (lambda: b"raw bytes", "RagRequest"),
+    (lambda: "", "empty"),
 ])
 def test_bad_requests_raise_clear_errors_and_engine_keeps_serving(tiny_engine, make, match):
     with pytest.raises(ValueError, match=match):
