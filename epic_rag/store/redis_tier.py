@@ -51,8 +51,10 @@ class RedisStore(ChunkStore):
             raise ValueError("redis ttl must be positive (seconds)")
         if timeout <= 0 or retry_s < 0:
             raise ValueError("redis timeout must be positive and retry_s non-negative")
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        # A refused command (OOM under noeviction, a disabled command) leaves the tier up; any other
+        # failure (refused/dropped connection, timeout, a peer that does not speak RESP) marks it down.
         self._refused = redis.exceptions.ResponseError
+        self._errors = (redis.exceptions.RedisError, OSError)
         self.url, self.ttl, self.prefix, self.quant, self.retry_s = url, ttl, prefix, quant, retry_s
         self._tag = codec.storage_suffix(quant)
         kwargs = {"db": db} if db is not None else {}
@@ -81,6 +83,18 @@ class RedisStore(ChunkStore):
                 self._down_until = time.monotonic() + self.retry_s  # this caller probes; others skip
         try:
             result = fn(self._client)
+        except self._refused as e:
+            with self._lock:
+                self.stats.errors += 1
+                if self._down_until is not None:  # it answered: reachable again
+                    self._down_until = None
+                    self.stats.available = 1
+                loud = time.monotonic() - self._last_refused > 60.0
+                if loud:
+                    self._last_refused = time.monotonic()
+            log.log(logging.ERROR if loud else logging.DEBUG, "redis tier %s refused a %s: %s",
+                    safe_url(self.url), "write" if write else "command", e)
+            return _SKIP
         except self._errors as e:
             with self._lock:
                 self.stats.errors += 1
@@ -90,15 +104,6 @@ class RedisStore(ChunkStore):
             if was_up:
                 log.warning("redis tier %s unreachable (%s: %s); serving from the other tiers, retrying every %gs",
                             safe_url(self.url), type(e).__name__, e, self.retry_s)
-            return _SKIP
-        except self._refused as e:
-            with self._lock:
-                self.stats.errors += 1
-                loud = time.monotonic() - self._last_refused > 60.0
-                if loud:
-                    self._last_refused = time.monotonic()
-            log.log(logging.ERROR if loud else logging.DEBUG, "redis tier %s refused a %s: %s",
-                    safe_url(self.url), "write" if write else "command", e)
             return _SKIP
         with self._lock:
             if self._down_until is not None:

@@ -1,0 +1,261 @@
+"""Redis tier against a real redis-server started here (127.0.0.1, free port, no persistence)."""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import shutil
+import socket
+import time
+
+import pytest
+import torch
+
+from epic_rag.store import DiskStore, RedisStore, TieredStore, codec, open_store
+from epic_rag.store.localredis import LocalRedis, free_port
+from test_store import DTYPES, assert_same, make_kv
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server binary not installed (apt-get install redis-server)")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with LocalRedis(tmp_path_factory.mktemp("redis")) as r:
+        yield r
+
+
+@pytest.fixture
+def url(server, request):
+    """The server's URL with a per-test key prefix, so tests never see each other's keys."""
+    prefix = f"t{abs(hash(request.node.name)) % 10**8}:"
+    return f"{server.url}?prefix={prefix}&timeout=1&retry_s=0.5"
+
+
+def raw(server):
+    import redis
+
+    return redis.Redis.from_url(server.url)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_redis_round_trip_is_bit_exact(url, dtype):
+    s = open_store(url)
+    kv = make_kv(dtype=dtype, base_pos=5)
+    s.put(kv)
+    assert_same(s.get(kv.key), kv)
+    assert s.keys() == [kv.key] and s.contains(kv.key)
+    assert s.tier_stats()["redis"]["hits"] == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_redis_int8_round_trip_within_half_a_step_and_separate_from_exact(url, dtype):
+    exact, q8 = open_store(url), open_store(url + "&quant=int8")
+    kv = make_kv(dtype=dtype, tokens=40)
+    q8.put(kv)
+    assert exact.get(kv.key) is None and exact.stats.corrupt == 0
+    got = q8.get(kv.key)
+    step = kv.k.float().abs().amax(-1, keepdim=True) / 127
+    assert got.k.dtype == dtype and ((got.k.float() - kv.k.float()).abs() <= step / 2 + got.k.float().abs() * 2 ** -7).all()
+    exact.put(kv)
+    assert_same(exact.get(kv.key), kv)
+
+
+def test_missing_key_is_just_a_miss(url):
+    s = open_store(url)
+    assert s.get("plain-nothere") is None
+    assert s.stats.misses == 1 and s.stats.errors == 0 and s.stats.corrupt == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+def test_corrupt_redis_value_is_dropped_and_counted(url, server, damage, caplog):
+    s = open_store(url)
+    kv = make_kv()
+    s.put(kv)
+    r = raw(server)
+    rkey = s._rkey(kv.key)
+    data = bytearray(r.get(rkey))
+    if damage == "flip":
+        data[-7] ^= 1
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray(b"not a safetensors file")
+    r.set(rkey, bytes(data))
+    with caplog.at_level(logging.WARNING, logger="epic_rag.store"):
+        assert s.get(kv.key) is None
+    assert s.stats.corrupt == 1 and "corrupt entry" in caplog.text
+    assert r.exists(rkey) == 0
+
+
+def test_ttl_expires_entries(url, server):
+    s = open_store(url + "&ttl=0.3")
+    kv = make_kv()
+    s.put(kv)
+    assert 0 < raw(server).pttl(s._rkey(kv.key)) <= 300
+    assert s.get(kv.key) is not None
+    time.sleep(0.5)
+    assert s.get(kv.key) is None and s.stats.errors == 0
+
+
+def test_keys_evicted_under_maxmemory_are_plain_misses(tmp_path):
+    with LocalRedis(tmp_path, extra_args=["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"]) as r:
+        s = open_store(r.url)
+        kvs = [make_kv(f"plain-{i}", seed=i, tokens=1024) for i in range(20)]  # ~400 KB each, 8 MB in all
+        for kv in kvs:
+            s.put(kv)
+        assert_same(s.get(kvs[-1].key), kvs[-1])
+        got = [s.get(kv.key) for kv in kvs[:-1]]
+        assert sum(g is None for g in got) >= 10       # evicted by Redis: misses, nothing else
+        for g, kv in zip(got, kvs):
+            if g is not None:
+                assert_same(g, kv)
+        assert s.stats.errors == 0 and s.stats.corrupt == 0 and s.stats.available == 1
+
+
+def test_write_refused_under_noeviction_is_logged_and_skipped(tmp_path, caplog):
+    with LocalRedis(tmp_path, extra_args=["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"]) as r:
+        s = open_store(r.url)
+        with caplog.at_level(logging.ERROR, logger="epic_rag.store"):
+            for i in range(6):
+                s.put(make_kv(f"plain-{i}", seed=i, tokens=2048))  # ~800 KB each
+        assert "refused a write" in caplog.text and "maxmemory" in caplog.text
+        assert s.stats.errors >= 1 and s.available
+        assert s.get("plain-0") is not None
+
+
+def test_redis_killed_mid_run_serves_lower_tiers_and_reconnects_after_restart(tmp_path, caplog):
+    r = LocalRedis(tmp_path / "redis").start()
+    try:
+        s = open_store(f"memory+disk:{tmp_path}/disk+{r.url}?timeout=0.5&retry_s=0.5")
+        mem, disk, red = s.tiers
+        a, b, c = (make_kv(f"plain-{n}", seed=i) for i, n in enumerate("abc"))
+        s.put(a)
+        assert red.contains(a.key)
+        r.stop()                                   # killed, like a crash
+        mem.clear()
+        with caplog.at_level(logging.WARNING, logger="epic_rag.store"):
+            t0 = time.monotonic()
+            assert_same(s.get(a.key), a)           # from disk
+            s.put(b)                               # disk and memory only; no exception
+            assert s.get("plain-zzz") is None
+            assert time.monotonic() - t0 < 3
+        assert "unreachable" in caplog.text and caplog.text.count("unreachable") == 1
+        st = s.tier_stats()["redis"]
+        assert st["available"] == 0 and st["errors"] >= 1
+        assert disk.contains(b.key) and not red.available
+        r.start()                                  # back, empty (no persistence)
+        time.sleep(0.6)                            # past the back-off
+        with caplog.at_level(logging.WARNING, logger="epic_rag.store"):
+            s.put(c)
+        assert "reachable again" in caplog.text
+        assert red.available and s.tier_stats()["redis"]["available"] == 1
+        assert_same(red.get(c.key), c)
+        mem.clear()
+        disk.clear()
+        assert_same(s.get(c.key), c)               # now served by Redis again
+    finally:
+        r.stop()
+
+
+def test_redis_down_at_start_is_a_warning_then_the_tier_joins_when_it_appears(tmp_path, caplog):
+    port = free_port()
+    with caplog.at_level(logging.WARNING, logger="epic_rag.store"):
+        s = open_store(f"memory+redis://127.0.0.1:{port}/0?timeout=0.5&retry_s=0.3")
+    assert "unreachable" in caplog.text
+    mem, red = s.tiers
+    kv = make_kv()
+    s.put(kv)
+    assert_same(s.get(kv.key), kv) and not red.contains(kv.key)
+    with LocalRedis(tmp_path, port=port):
+        time.sleep(0.4)
+        s.put(kv)
+        assert red.available and red.contains(kv.key)
+
+
+def test_server_that_never_answers_does_not_block_longer_than_the_timeout(caplog):
+    # A listening socket that never replies: connects succeed, every command would wait forever.
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)
+    try:
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="epic_rag.store"):
+            s = RedisStore(f"redis://127.0.0.1:{hung.getsockname()[1]}/0", timeout=0.3, retry_s=60)
+        assert time.monotonic() - t0 < 1.5 and "TimeoutError" in caplog.text
+        t0 = time.monotonic()
+        assert s.get("plain-aaaa") is None
+        s.put(make_kv())
+        for _ in range(20):                                 # skipped without network while down
+            assert s.get("plain-aaaa") is None
+        assert time.monotonic() - t0 < 0.5
+        assert not s.available
+    finally:
+        hung.close()
+
+
+def test_unroutable_host_never_blocks_longer_than_the_timeout():
+    t0 = time.monotonic()
+    s = RedisStore("redis://10.255.255.1:6379/0", timeout=0.3, retry_s=60)
+    assert s.get("plain-aaaa") is None
+    s.put(make_kv())
+    assert time.monotonic() - t0 < 2.0
+    assert not s.available
+
+
+def test_hits_in_redis_are_promoted_to_memory_and_disk(url, tmp_path):
+    s = open_store(f"memory+disk:{tmp_path}+{url}")
+    assert isinstance(s, TieredStore)
+    mem, disk, red = s.tiers
+    kv = make_kv(dtype=torch.bfloat16)
+    red.put(kv)
+    assert_same(s.get(kv.key), kv)
+    assert mem.contains(kv.key) and disk.contains(kv.key)
+    assert_same(DiskStore(tmp_path).get(kv.key), kv)
+
+
+def test_clear_deletes_only_this_prefix(url, server):
+    s = open_store(url)
+    s.put(make_kv())
+    r = raw(server)
+    r.set("someone-else:key", b"x")
+    assert s.clear() == 1
+    assert s.keys() == [] and r.get("someone-else:key") == b"x"
+
+
+def test_usage_and_refresh_report_entries_and_bytes(url):
+    s = open_store(url)
+    kv = make_kv()
+    s.put(kv)
+    s.refresh()
+    n = len(codec.encode(kv))
+    assert s.usage() == {kv.key: n}
+    assert (s.stats.entries, s.stats.bytes) == (1, n)
+
+
+def _redis_writer(url: str, rounds: int) -> None:
+    s = open_store(url)
+    kv = make_kv("plain-shared", seed=7, tokens=256)
+    for _ in range(rounds):
+        s.put(kv)
+        assert s.get(kv.key) is not None
+
+
+def test_two_processes_writing_the_same_chunk_to_redis_leave_one_valid_entry(url):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_redis_writer, args=(url, 30)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    s = open_store(url)
+    assert s.keys() == ["plain-shared"]
+    assert_same(s.get("plain-shared"), make_kv("plain-shared", seed=7, tokens=256))
+
+
+def test_cli_stats_reads_a_live_redis(url):
+    from test_store import _OUT, _cli
+
+    open_store(url).put(make_kv())
+    assert _cli("store", "stats", "--store", url) == 0
+    assert "redis: 1 entries" in _OUT.out
