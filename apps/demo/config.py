@@ -23,7 +23,7 @@ def default_data_dir() -> Path:
 class DemoConfig:
     corpus: str = "builtin:pydoc"        # builtin:pydoc, builtin:pydoc:<mod>,<mod>..., or a folder
     data_dir: Path = field(default_factory=default_data_dir)
-    store: str | None = None             # chunk store spec; None: a disk store under data_dir
+    store: str | None = None             # chunk store spec; None: memory over a disk tier under data_dir
     policy: str = "legolink-16"          # default link policy (each request may pick another)
     model: str = DEFAULT_MODEL
     api_key: str | None = None           # when set, every route that does work needs it
@@ -58,7 +58,8 @@ class DemoConfig:
 
     @property
     def store_spec(self) -> str:
-        return self.store or f"disk:{self.data_dir / 'kv'}"
+        """Default: a 2 GiB memory tier over a disk tier, so a restart reuses every compiled chunk."""
+        return self.store or f"memory?max_bytes=2G+disk:{self.data_dir / 'kv'}"
 
     @property
     def corpus_dir(self) -> Path | None:
@@ -81,8 +82,6 @@ def open_demo_store(spec: str):
     """Open the chunk store; a spec the store layer rejects falls back to memory with a warning."""
     from epic_rag.store import open_store
 
-    if spec.startswith("disk:"):
-        Path(spec[5:]).expanduser().mkdir(parents=True, exist_ok=True)
     try:
         return open_store(spec)
     except (ValueError, OSError, ImportError, ConnectionError) as e:
