@@ -2,7 +2,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = {history: [], controller: null, info: null, ingestReady: false};
+const state = {history: [], controller: null, info: null, ingestReady: false, pollTimer: null};
 
 function el(tag, cls, text) {
   const e = document.createElement(tag);
@@ -90,7 +90,7 @@ async function refreshDocs() {
     const name = el("span", "doc-name", d.name);
     name.title = `${d.source} · ${d.chars} characters`;
     const meta = el("span", "doc-meta " + d.state,
-      d.state === "ready" ? `${d.chunks} chunks` :
+      d.state === "ready" ? `${d.chunks} chunk${d.chunks === 1 ? "" : "s"}` :
       d.state === "error" ? "error" : `${d.state} ${d.compiled}/${d.chunks}`);
     if (d.error) meta.title = d.error;
     const del = el("button", "del", "×");
@@ -108,7 +108,7 @@ async function deleteDoc(name) {
   if (!confirm(`Delete ${name} from the corpus?`)) return;
   const r = await api("/api/documents/" + encodeURIComponent(name), {method: "DELETE"});
   $("upload-msg").textContent = r.ok ? `deleted ${name}` : await errorText(r);
-  refreshDocs();
+  poll();
 }
 
 async function upload(ev) {
@@ -130,13 +130,14 @@ async function upload(ev) {
   } else {
     $("upload-msg").textContent = "upload refused: " + await errorText(r);
   }
-  refreshDocs();
+  poll();   // follow the new document's progress at the fast rate
 }
 
 async function poll() {
+  clearTimeout(state.pollTimer);
   await loadInfo();
   await refreshDocs();
-  setTimeout(poll, state.ingestReady ? 5000 : 1000);
+  state.pollTimer = setTimeout(poll, state.ingestReady ? 5000 : 1000);
 }
 
 // ------------------------------------------------------------------ chat
@@ -297,7 +298,7 @@ function init() {
   $("api-key").value = apiKey();
   $("api-key").addEventListener("change", () => {
     sessionStorage.setItem("epic-api-key", $("api-key").value);
-    refreshDocs();
+    poll();
   });
   $("ask-form").addEventListener("submit", onAsk);
   $("question").addEventListener("keydown", (e) => {
