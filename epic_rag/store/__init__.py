@@ -26,6 +26,8 @@ def open_store(spec: "str | ChunkStore") -> ChunkStore:
                                                       while the server is unreachable the tier is skipped and
                                                       probed again every retry_s seconds (default 5)
 
+    A FOLDER may contain '+' except right before a tier scheme (memory, disk:, redis://, rediss://, unix://)
+    and at the end of the spec; it may not contain '?'.
     SIZE is a byte count with an optional binary unit: 1073741824, 512M, 4G, 4GiB.
     quant=int8 stores K and V as int8 with a float32 scale per token and head (about 3.8x smaller than
     fp32, 1.9x smaller than bf16) and dequantizes on read to the model dtype; it is lossy. Its entries

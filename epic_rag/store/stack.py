@@ -30,10 +30,8 @@ class TieredStore(ChunkStore):
         return f"TieredStore({self.tiers!r})"
 
     def _safe(self, tier: ChunkStore, what: str, fn, default=None):
-        try:
+        try:  # keys were checked above, so anything raised here is the tier's own trouble
             return fn()
-        except ValueError:
-            raise  # a bad key is the caller's error
         except Exception:
             log.exception("store tier %s: %s failed; continuing with the other tiers", tier.name, what)
             with tier._lock:
@@ -64,6 +62,7 @@ class TieredStore(ChunkStore):
             self.stats.puts += 1
 
     def delete(self, key: str) -> bool:
+        check_key(key)
         return any([bool(self._safe(t, "delete", lambda: t.delete(key), False)) for t in self.tiers])
 
     def keys(self) -> list[str]:
@@ -73,6 +72,7 @@ class TieredStore(ChunkStore):
         return list(out)
 
     def contains(self, key: str) -> bool:
+        check_key(key)
         return any(self._safe(t, "contains", lambda: t.contains(key), False) for t in self.tiers)
 
     def usage(self) -> dict[str, int]:
