@@ -50,3 +50,4 @@ class Generation:
     policy: str
     finish_reason: str | None = None
     chunk_keys: list[str] = field(default_factory=list)
+    prefix_cached_tokens: int = 0    # `prefix` policy: prompt tokens served by vLLM's exact prefix cache

@@ -160,3 +160,24 @@ def test_compile_rejects_bad_chunks_without_storing_anything(tiny_engine):
     with pytest.raises(ValueError):
         tiny_engine.compile("a single string")
     assert set(tiny_engine.store.keys()) == before
+
+
+def test_prefix_policy_reuses_exact_prefixes_and_matches_full(tiny_engine):
+    full = tiny_engine.generate(_req(), max_tokens=8, policy="full")
+    tiny_engine.generate(_req(), max_tokens=8, policy="prefix")
+    again = tiny_engine.generate(_req(), max_tokens=8, policy="prefix")
+    assert again.prefix_cached_tokens > 0 and again.recomputed_tokens < again.prompt_tokens
+    assert again.token_ids == full.token_ids and again.chunk_hits == 0
+
+
+def test_a_failed_link_is_never_served(tiny_engine, monkeypatch):
+    from epic_rag.engine import linker
+
+    def broken(self, job, *a, **k):
+        raise RuntimeError("simulated linker fault")
+
+    monkeypatch.setattr(linker.Linker, "link", broken)
+    with pytest.raises(RuntimeError, match="linking failed"):
+        tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")
+    monkeypatch.undo()
+    assert tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4").token_ids

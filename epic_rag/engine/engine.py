@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -221,9 +221,6 @@ class EpicEngine:
         placed: list[tuple[int, int]] = []     # (index into wanted, start)
         wanted: list[tuple[list[int], str]] = []
         variant = policy.compile_variant
-        refs: dict[int, ChunkRef] = {}
-        if not any(isinstance(s, (Chunk, ChunkRef)) for s in segments) and not segments:
-            raise ValueError("empty prompt")
         for seg in segments:
             if isinstance(seg, str):
                 ids += encode_text(self.tokenizer, seg)
@@ -240,7 +237,6 @@ class EpicEngine:
                 toks = self._chunk_tokens(check_chunk_text(seg.text))
             else:
                 raise ValueError(f"segment must be str, Chunk or ChunkRef, got {type(seg).__name__}")
-            refs[len(wanted)] = seg if isinstance(seg, ChunkRef) else None
             placed.append((len(wanted), len(ids)))
             wanted.append((toks, variant))
             ids += toks
@@ -297,57 +293,24 @@ class EpicEngine:
             raise
         return req_id, prompt, pol, job, t0
 
-    def _result(self, prompt: _Prompt, pol: Policy, job: LinkJob | None, t0: float, t_first: float | None,
-                text: str, token_ids: list[int], finish: str | None) -> Generation:
-        n = len(prompt.token_ids)
-        if job is not None:
-            BOARD.drop_job(job.job_id)
-            if job.error:
-                raise RuntimeError(f"linking failed, answer discarded: {job.error}")
-            claim = len(job.token_ids)
-            recomputed = job.recomputed + (n - claim)
-        else:
-            recomputed = n
-        now = time.perf_counter()
-        return Generation(text=text, token_ids=token_ids, ttft_s=(t_first or now) - t0, total_s=now - t0,
-                          prompt_tokens=n, linked_tokens=n - recomputed, recomputed_tokens=recomputed,
-                          chunk_hits=prompt.hits, chunk_misses=prompt.misses, policy=pol.name,
-                          finish_reason=finish, chunk_keys=[kv.key for _, kv in prompt.spans])
-
     def stream_events(self, request, max_tokens: int = 64, temperature: float = 0.0,
                       policy: str | None = None, stop: list[str] | None = None) -> Iterator[Delta | Generation]:
         """Yield each text delta as it is produced, then the final Generation."""
         import queue as _q
         box: "_q.SimpleQueue[Delta | BaseException]" = _q.SimpleQueue()
-        req_id, prompt, pol, job, t0 = self._start(request, max_tokens, temperature, policy, stop, box.put)
-        text, toks, t_first, finish = [], [], None, None
+        run = _Run(self, *self._start(request, max_tokens, temperature, policy, stop, box.put))
         try:
             while True:
                 d = box.get()
-                if isinstance(d, BaseException):
-                    raise d
-                if d.token_ids and t_first is None:
-                    t_first = d.t
-                    if job is not None and job.error:
-                        raise RuntimeError(f"linking failed, answer discarded: {job.error}")
-                text.append(d.text)
-                toks += d.token_ids
+                done = run.feed(d)
                 if d.text:
                     yield d
-                if d.finished:
-                    finish = d.finish_reason
+                if done:
                     break
-        except GeneratorExit:
-            self.runtime.abort(req_id)
-            if job is not None:
-                BOARD.drop_job(job.job_id)
+        except BaseException:   # includes GeneratorExit: the consumer went away
+            run.cancel()
             raise
-        except BaseException:
-            self.runtime.abort(req_id)
-            if job is not None:
-                BOARD.drop_job(job.job_id)
-            raise
-        yield self._result(prompt, pol, job, t0, t_first, "".join(text), toks, finish)
+        yield run.result()
 
     def generate(self, request: RagRequest | Sequence[Segment], max_tokens: int = 64, temperature: float = 0.0,
                  policy: str | None = None, stop: list[str] | None = None) -> Generation:
@@ -374,29 +337,19 @@ class EpicEngine:
             loop.call_soon_threadsafe(q.put_nowait, d)
 
         # Prompt building may compile chunks (blocking): run it off the event loop.
-        req_id, prompt, pol, job, t0 = await asyncio.to_thread(
-            self._start, request, max_tokens, temperature, policy, stop, sink)
-        text, toks, t_first, finish = [], [], None, None
+        run = _Run(self, *await asyncio.to_thread(self._start, request, max_tokens, temperature, policy, stop, sink))
         try:
             while True:
                 d = await q.get()
-                if isinstance(d, BaseException):
-                    raise d
-                if d.token_ids and t_first is None:
-                    t_first = d.t
-                text.append(d.text)
-                toks += d.token_ids
+                done = run.feed(d)
                 if d.text:
                     yield d
-                if d.finished:
-                    finish = d.finish_reason
+                if done:
                     break
-        except BaseException:
-            self.runtime.abort(req_id)
-            if job is not None:
-                BOARD.drop_job(job.job_id)
+        except BaseException:   # includes cancellation: the client went away
+            run.cancel()
             raise
-        yield self._result(prompt, pol, job, t0, t_first, "".join(text), toks, finish)
+        yield run.result()
 
     async def agenerate(self, request, max_tokens: int = 64, temperature: float = 0.0,
                         policy: str | None = None, stop: list[str] | None = None) -> Generation:
@@ -413,6 +366,60 @@ class EpicEngine:
 
     def shutdown(self) -> None:
         self.runtime.shutdown()
+
+
+@dataclass
+class _Run:
+    """One submitted request: accumulates its deltas, checks the link outcome, builds the Generation."""
+
+    engine: EpicEngine
+    req_id: str
+    prompt: _Prompt
+    pol: Policy
+    job: LinkJob | None
+    t0: float
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    t_first: float | None = None
+    finish: str | None = None
+    cached: int | None = None
+
+    def feed(self, d: Delta | BaseException) -> bool:
+        """Take one delta; True when the request finished. Raises the engine's error, or a link failure
+        before any token of a wrongly linked answer is passed on."""
+        if isinstance(d, BaseException):
+            raise d
+        if d.token_ids and self.t_first is None:
+            self.t_first, self.cached = d.t, d.cached_tokens
+            if self.job is not None and self.job.error:
+                raise RuntimeError(f"linking failed, answer discarded: {self.job.error}")
+        self.text.append(d.text)
+        self.token_ids += d.token_ids
+        if d.finished:
+            self.finish = d.finish_reason
+        return d.finished
+
+    def cancel(self) -> None:
+        self.engine.runtime.abort(self.req_id)
+        if self.job is not None:
+            BOARD.drop_job(self.job.job_id)
+
+    def result(self) -> Generation:
+        n, job = len(self.prompt.token_ids), self.job
+        if job is not None:
+            BOARD.drop_job(job.job_id)
+            if job.error:
+                raise RuntimeError(f"linking failed, answer discarded: {job.error}")
+            recomputed = job.recomputed + (n - len(job.token_ids))
+        else:
+            recomputed = n - (self.cached or 0)   # `prefix`: vLLM's own prefix-cache hits are not recomputed
+        now = time.perf_counter()
+        return Generation(text="".join(self.text), token_ids=self.token_ids, ttft_s=(self.t_first or now) - self.t0,
+                          total_s=now - self.t0, prompt_tokens=n, linked_tokens=n - recomputed,
+                          recomputed_tokens=recomputed, chunk_hits=self.prompt.hits,
+                          chunk_misses=self.prompt.misses, policy=self.pol.name, finish_reason=self.finish,
+                          chunk_keys=[kv.key for _, kv in self.prompt.spans],
+                          prefix_cached_tokens=0 if job is not None else (self.cached or 0))
 
 
 def _truncate(kv: ChunkKV, n: int) -> ChunkKV:

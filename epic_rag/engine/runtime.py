@@ -25,6 +25,7 @@ class Delta:
     finished: bool
     finish_reason: str | None
     t: float
+    cached_tokens: int | None = None   # prompt tokens vLLM served from its own prefix cache
 
 
 @dataclass
@@ -121,7 +122,8 @@ class Runtime:
                     continue
                 c = out.outputs[0] if out.outputs else None
                 d = Delta(text=c.text if c else "", token_ids=list(c.token_ids) if c else [],
-                          finished=out.finished, finish_reason=c.finish_reason if c else None, t=now)
+                          finished=out.finished, finish_reason=c.finish_reason if c else None, t=now,
+                          cached_tokens=getattr(out, "num_cached_tokens", None))
                 if out.finished:
                     del self._sinks[rid]
                 sink(d)
