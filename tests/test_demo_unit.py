@@ -377,3 +377,44 @@ def test_metrics_expose_requests_ttft_store_tiers_and_errors(demo):
     assert 'epic_rag_store_hits_total{tier="memory"}' in text
     assert 'epic_rag_errors_total{kind="http_400"}' in text
     assert "epic_rag_recomputed_tokens_total" in text and 'epic_rag_corpus{what="compiled"}' in text
+
+
+def test_ingestion_waits_while_chats_are_answered(demo):
+    server, client, engine, app, _ = demo
+    lib = app.state.demo.library
+    engine.delay = 0.02
+    done = threading.Event()
+
+    def chat():
+        with httpx.Client(base_url=server.url, headers={"Authorization": "Bearer sekret"}, timeout=30) as c:
+            assert _chat(c, max_tokens=60).status_code == 200
+        done.set()
+
+    t = threading.Thread(target=chat)
+    t.start()
+    deadline = time.time() + 5
+    while not engine.active and time.time() < deadline:
+        time.sleep(0.01)
+    n = len(engine.compiled)
+    assert client.post("/api/documents", files={"file": ("later.txt", b"Some later text about ferries.")}).status_code == 202
+    time.sleep(0.5)
+    assert not done.is_set() and len(engine.compiled) == n       # indexed, but not compiled during the chat
+    t.join()
+    engine.delay = 0.0
+    assert lib.wait_ready(10) and len(engine.compiled) == n + 1
+
+
+def test_non_stream_request_is_cancelled_when_the_client_gives_up(demo):
+    server, client, engine, app, _ = demo
+    engine.delay = 0.05
+    aborted = engine.aborted
+    with httpx.Client(base_url=server.url, headers={"Authorization": "Bearer sekret"},
+                      timeout=httpx.Timeout(30, read=0.5)) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            _chat(c, max_tokens=200)                    # 200 x 50 ms: the client leaves after 0.5 s
+    deadline = time.time() + 5
+    while engine.active and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine.active == 0 and engine.aborted == aborted + 1
+    engine.delay = 0.0
+    assert app.state.demo.active_chats == 0 and _chat(client).status_code == 200

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -80,8 +81,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     app = create_app(engine=None, config=cfg)
     state = app.state.demo
     # Serve at once (/healthz answers "loading"); the engine loads on this thread (vLLM wants the main one).
-    server = BackgroundServer(app, args.host, args.port, log_level=args.log_level)
+    server = BackgroundServer(app, args.host, args.port, log_level=args.log_level,
+                              access_log=args.log_level == "debug")
     server.start()
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    # Ctrl-C and SIGTERM stop the server cleanly (uvicorn runs in a thread and cannot take signals).
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     auth = "API key required" if cfg.api_key else "no API key"
     print(f"epic-rag demo: {server.url}  ({auth}; corpus {cfg.corpus}; data {cfg.data_dir})", file=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_key:

@@ -30,7 +30,7 @@ class DemoConfig:
     top_k: int = 4
     max_top_k: int = 16
     chunk_tokens: int = 256
-    compile_batch: int = 16              # chunks per engine.compile call during ingestion
+    compile_batch: int = 4               # chunks per engine.compile call (small: a chat waits for at most one)
     default_max_tokens: int = 128
     max_tokens_limit: int = 1024
     max_prompt_chars: int = 8000         # all message text of one request together

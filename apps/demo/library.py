@@ -116,6 +116,9 @@ class Library:
         self._thread: threading.Thread | None = None
         self.progress = Progress()
         self.listeners: list[Callable[[Progress], None]] = []   # called after each step (the CLI's tqdm)
+        # True while chats are being answered: compiling waits, so a question asked during ingestion is
+        # not decoded in the same engine steps as a batch of chunk prefills.
+        self.busy: Callable[[], bool] = lambda: False
         self._emb_dir = config.data_dir / "embeddings"
         self._enc_lock = threading.Lock()      # HF fast tokenizers are not safe to share across threads
 
@@ -323,6 +326,10 @@ class Library:
 
     def _compile_next_batch(self) -> bool:
         """Compile up to compile_batch pending chunks; False when nothing is pending."""
+        if self.busy():
+            time.sleep(0.05)
+            with self._lock:
+                return any(c.ref is None and not c.failed for c in self.chunks.values())
         with self._lock:
             batch = [c for c in self.chunks.values() if c.ref is None and not c.failed][: self.cfg.compile_batch]
             if not batch:

@@ -47,6 +47,8 @@ class DemoState:
         self.library = Library(config, encoder)
         self.metrics = DemoMetrics(lambda: self.engine, self.library)
         self.started = time.time()
+        self.active_chats = 0                       # chat completions in flight (ingestion yields to them)
+        self.library.busy = lambda: self.active_chats > 0
 
     def attach_engine(self, engine) -> None:
         """Hand over a ready engine: the corpus starts loading in the background."""
@@ -402,6 +404,7 @@ async def _complete(state: DemoState, engine, body: ChatCompletionRequest, plan:
         raise RuntimeError("generation ended without a result")
 
     m.inflight.inc()
+    state.active_chats += 1
     task = asyncio.create_task(collect())
     try:
         while True:
@@ -428,6 +431,7 @@ async def _complete(state: DemoState, engine, body: ChatCompletionRequest, plan:
         if not task.done():
             task.cancel()
         m.inflight.dec()
+        state.active_chats -= 1
     m.observe_generation(gen, stream=False)
     return {"id": plan.id, "object": "chat.completion", "created": plan.created, "model": state.cfg.served_model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
@@ -444,6 +448,7 @@ async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _
                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra})
 
     m.inflight.inc()
+    state.active_chats += 1
     outcome = "cancelled"
     try:
         # Sources are known before the first token: the page shows citations while the answer streams.
@@ -483,6 +488,7 @@ async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _
         yield "data: [DONE]\n\n"
     finally:
         m.inflight.dec()
+        state.active_chats -= 1
         if outcome != "ok":
             m.chat.labels(plan.policy, "true", outcome).inc()
 
@@ -491,7 +497,8 @@ async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _
 class BackgroundServer:
     """uvicorn in a daemon thread on an already bound socket (port 0 picks a free port)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 access_log: bool = False) -> None:
         import uvicorn
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -499,7 +506,7 @@ class BackgroundServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=access_log,
                                                     timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="epic-demo-http", daemon=True)
