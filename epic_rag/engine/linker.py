@@ -104,10 +104,12 @@ class _LinkAttention(torch.nn.Module):
             T = int(Rg[-1]) + 1
             g = hi - lo
             Kh, Vh = self.K[:, :T], self.V[:, :T]                        # [Hkv, T, D]
-            blocked = torch.arange(T, device=R.device)[None, :] > Rg[:, None]      # [g, T]
             qg = qh[:, :, lo:hi].reshape(Hk, G * g, D)
             scores = torch.bmm(qg, Kh.transpose(1, 2)).mul_(self.scale).view(Hk, G, g, T)
-            scores.masked_fill_(blocked, float("-inf"))
+            # Keys before the group's first query are visible to all of it: mask only the tail.
+            t0 = int(Rg[0])
+            blocked = torch.arange(t0, T, device=R.device)[None, :] > Rg[:, None]   # [g, T - t0]
+            scores[..., t0:].masked_fill_(blocked, float("-inf"))
             probs = torch.softmax(scores, dim=-1).view(Hk, G * g, T)
             out[:, :, lo:hi] = torch.bmm(probs, Vh).view(Hk, G, g, D)
         return out.permute(2, 0, 1, 3).reshape(-1, Hq * D).to(q.dtype)
@@ -160,7 +162,6 @@ class Linker:
         chunk = job.chunk_mask().to(device)
         h = self._embed(torch.tensor(job.token_ids, device=device)[R])
         residual = None
-        slots = slots_for(block_ids, torch.arange(start, end), self.block_size).to(device)
         first = self.attn[0][2]
         Hk, D = first.num_kv_heads, first.head_size
         # Cached KV for every layer at once, keys rotated to their linked positions (fp32).
@@ -189,8 +190,8 @@ class Linker:
                     setattr(parent, attr, real)
                 if blend and li == CHECK_LAYER:
                     h, residual, R = self._blend_select(job.policy, R, chunk, K, shim.old_k, h, residual)
-            self.layout.write(self.cache_of(li), slots, K[:, start:end].transpose(0, 1),
-                              V[:, start:end].transpose(0, 1))
+            self.layout.write_range(self.cache_of(li), block_ids, start, end, K[:, start:end].transpose(0, 1),
+                                    V[:, start:end].transpose(0, 1))
         job.recomputed = int(len(R))
 
     @staticmethod
