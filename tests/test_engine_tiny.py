@@ -87,7 +87,7 @@ def test_cacheblend_recomputes_a_fraction_of_chunk_tokens(tiny_engine):
     g15 = tiny_engine.generate(_req(), max_tokens=4, policy="cacheblend-15")
     g100 = tiny_engine.generate(_req(), max_tokens=16, policy="cacheblend-100")
     full = tiny_engine.generate(_req(), max_tokens=16, policy="full")
-    chunk_tokens = g0.linked_tokens
+    chunk_tokens = sum(r.num_tokens for r in tiny_engine.compile(CHUNKS))
     assert g15.recomputed_tokens - g0.recomputed_tokens == round(0.15 * chunk_tokens)
     assert g100.token_ids == full.token_ids
 
@@ -181,3 +181,14 @@ def test_a_failed_link_is_never_served(tiny_engine, monkeypatch):
         tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")
     monkeypatch.undo()
     assert tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4").token_ids
+
+
+def test_leading_glue_is_linked_exactly_and_not_recomputed(tiny_engine):
+    # The template text before the first chunk sits at position 0: its compiled KV is exact.
+    naive = tiny_engine.generate(_req(), max_tokens=8, policy="naive")
+    chunk_tokens = sum(r.num_tokens for r in tiny_engine.compile(CHUNKS))
+    assert naive.linked_tokens > chunk_tokens
+    assert naive.chunk_hits == len(CHUNKS) and len(naive.chunk_keys) == len(CHUNKS)
+    segs = ["x" * 40, Chunk(CHUNKS[0]), "\nq?"]
+    exact = tiny_engine.generate(segs, max_tokens=8, policy="legolink-4096")
+    assert exact.token_ids == tiny_engine.generate(segs, max_tokens=8, policy="full").token_ids

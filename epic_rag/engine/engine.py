@@ -27,6 +27,8 @@ from .runtime import Delta, Runtime
 
 log = logging.getLogger(__name__)
 
+MIN_EXACT_PREFIX = 8   # shorter leading glue is simply recomputed
+
 
 def _cpu_has_fast_bf16() -> bool:
     """vLLM's CPU bf16 kernels are fast only with AMX; with AVX-512/AVX2 bf16 measured ~4x slower than fp32."""
@@ -51,7 +53,7 @@ class _Prompt:
     """A request ready for vLLM: tokens, where the chunks sit, and the linking job if any."""
 
     token_ids: list[int]
-    spans: list[tuple[int, ChunkKV]]
+    spans: list[tuple[int, ChunkKV, bool]]   # (start, kv, exact: a leading prefix needing no recompute)
     hits: int
     misses: int
 
@@ -226,7 +228,7 @@ class EpicEngine:
                 ids += encode_text(self.tokenizer, seg)
                 continue
             if isinstance(seg, ChunkRef):
-                kv = self.store.get(seg.key) if seg.key.startswith(variant + "-") else None
+                kv = self.store.get(seg.key)
                 if kv is not None:
                     toks = kv.token_ids
                 elif seg.text is not None:
@@ -245,10 +247,17 @@ class EpicEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the context window "
                              f"({self.max_model_len} tokens, one at least kept for the answer)")
-        if not policy.links_chunks:
+        if not policy.links_chunks or not placed:
             return _Prompt(ids, [], 0, 0)
         kvs, misses = self._resolve(wanted)
-        return _Prompt(ids, [(start, kvs[i]) for i, start in placed], len(wanted) - misses, misses)
+        spans = [(start, kvs[i], False) for i, start in placed]
+        # The glue before the first chunk (system prompt, instructions) sits at position 0 with no context
+        # before it: its compiled KV is exact, so it is linked like a chunk and never recomputed.
+        lead = placed[0][1]
+        if lead >= MIN_EXACT_PREFIX:
+            (prefix_kv,), _ = self._resolve([(ids[:lead], "plain")])
+            spans.insert(0, (0, prefix_kv, True))
+        return _Prompt(ids, spans, len(wanted) - misses, misses)
 
     # ------------------------------------------------------------------ generation
     def _submit(self, prompt_ids, max_tokens, temperature, salt, kv_params, sink, stop=None, seed=None) -> str:
@@ -277,12 +286,12 @@ class EpicEngine:
         kv_params = None
         salt = "epic-prefix" if pol.kind == "prefix" else uuid.uuid4().hex  # linked KV never reused as exact
         if prompt.spans:
-            last_end = max(s + kv.num_tokens for s, kv in prompt.spans)
+            last_end = max(s + kv.num_tokens for s, kv, _ in prompt.spans)
             claim = min(last_end, len(prompt.token_ids) - 1)
-            job = LinkJob(uuid.uuid4().hex, prompt.token_ids[:claim],
-                          [LinkSpan(s, kv) for s, kv in prompt.spans if s < claim], pol)
             # A chunk cut by the claim (prompt ends inside it) is truncated to the claimed part.
-            job.spans = [LinkSpan(s.start, _truncate(s.kv, claim - s.start)) for s in job.spans]
+            job = LinkJob(uuid.uuid4().hex, prompt.token_ids[:claim],
+                          [LinkSpan(s, _truncate(kv, claim - s), exact) for s, kv, exact in prompt.spans
+                           if s < claim], pol)
             BOARD.post_job(job)
             kv_params = {"epic": {"link": job.job_id, "claim": claim}}
         try:
@@ -418,7 +427,7 @@ class _Run:
                           total_s=now - self.t0, prompt_tokens=n, linked_tokens=n - recomputed,
                           recomputed_tokens=recomputed, chunk_hits=self.prompt.hits,
                           chunk_misses=self.prompt.misses, policy=self.pol.name, finish_reason=self.finish,
-                          chunk_keys=[kv.key for _, kv in self.prompt.spans],
+                          chunk_keys=[kv.key for _, kv, exact in self.prompt.spans if not exact],
                           prefix_cached_tokens=0 if job is not None else (self.cached or 0))
 
 

@@ -34,6 +34,7 @@ ATTN_BUCKET = 256  # recompute queries are grouped by position // ATTN_BUCKET fo
 class LinkSpan:
     start: int          # first prompt position of the chunk
     kv: ChunkKV
+    exact: bool = False  # KV already exact here (a leading prefix compiled at position 0): never recomputed
 
 
 @dataclass(slots=True)
@@ -54,18 +55,21 @@ class LinkJob:
         head = torch.zeros(T, dtype=torch.bool)
         for s in self.spans:
             cached[s.start: s.start + s.kv.num_tokens] = True
-            if self.policy.kind == "legolink":
+            if self.policy.kind == "legolink" and not s.exact:
                 head[s.start: s.start + min(self.policy.k, s.kv.num_tokens)] = True
         if self.policy.kind == "cacheblend":
             return torch.arange(T)
         return torch.nonzero(~cached | head).flatten()
 
-    def chunk_mask(self) -> torch.Tensor:
+    def masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cached, candidate): positions with cached KV, and those a blend may choose to recompute."""
         T = len(self.token_ids)
-        m = torch.zeros(T, dtype=torch.bool)
+        cached = torch.zeros(T, dtype=torch.bool)
+        candidate = torch.zeros(T, dtype=torch.bool)
         for s in self.spans:
-            m[s.start: s.start + s.kv.num_tokens] = True
-        return m
+            cached[s.start: s.start + s.kv.num_tokens] = True
+            candidate[s.start: s.start + s.kv.num_tokens] = not s.exact
+        return cached, candidate
 
 
 class _LinkAttention(torch.nn.Module):
@@ -159,7 +163,7 @@ class Linker:
         T = len(job.token_ids)
         assert end <= T, (end, T)
         R = job.initial_recompute().to(device)
-        chunk = job.chunk_mask().to(device)
+        cached, candidate = (m.to(device) for m in job.masks())
         h = self._embed(torch.tensor(job.token_ids, device=device)[R])
         residual = None
         first = self.attn[0][2]
@@ -171,7 +175,7 @@ class Linker:
         shape = (len(self.layers), Hk, T, D)
         ws = self._workspace(2 * shape[0] * Hk * T * D, device)
         Kall, Vall = ws.view(2, *shape).unbind(0)                        # [L, Hkv, T, D] each
-        assert bool((chunk | torch.isin(torch.arange(T, device=device), R)).all()), "uncached token not recomputed"
+        assert bool((cached | torch.isin(torch.arange(T, device=device), R)).all()), "uncached token not recomputed"
         for s in job.spans:
             n = s.kv.num_tokens
             rk = self.rotator.rotate(s.kv.k.to(device), s.start - s.kv.base_pos)   # [L, n, Hkv, D]
@@ -189,20 +193,22 @@ class Linker:
                 finally:
                     setattr(parent, attr, real)
                 if blend and li == CHECK_LAYER:
-                    h, residual, R = self._blend_select(job.policy, R, chunk, K, shim.old_k, h, residual)
+                    h, residual, R = self._blend_select(job.policy, R, cached, candidate, K, shim.old_k, h,
+                                                        residual)
             self.layout.write_range(self.cache_of(li), block_ids, start, end, K[:, start:end].transpose(0, 1),
                                     V[:, start:end].transpose(0, 1))
         job.recomputed = int(len(R))
 
     @staticmethod
-    def _blend_select(policy: Policy, R, chunk, K, old_k, h, residual):
-        """CacheBlend token selection at the check layer (R covers every position here)."""
+    def _blend_select(policy: Policy, R, cached, candidate, K, old_k, h, residual):
+        """CacheBlend token selection at the check layer (R covers every position here): keep every
+        uncached token and the top `ratio` of candidate chunk tokens by key deviation."""
         dev = (K[:, R].transpose(0, 1) - old_k).float().pow(2).sum(dim=(1, 2))        # [nR]
-        is_chunk = chunk[R]
-        n_keep = int(round(policy.ratio * int(is_chunk.sum())))
-        keep = ~is_chunk
+        is_cand = candidate[R]
+        n_keep = int(round(policy.ratio * int(is_cand.sum())))
+        keep = ~cached[R]
         if n_keep > 0:
-            scores = torch.where(is_chunk, dev, torch.full_like(dev, -1.0))
+            scores = torch.where(is_cand, dev, torch.full_like(dev, -1.0))
             keep[torch.topk(scores, n_keep).indices] = True
         idx = torch.nonzero(keep).flatten()
         return h[idx], (residual[idx] if residual is not None else None), R[idx]
