@@ -1,31 +1,15 @@
 """Shared helpers for the benchmarks: machine facts, token-exact chunks, result files."""
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
+from epic_rag.bench.report import machine  # noqa: F401  (re-exported for the bench scripts)
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def machine() -> dict:
-    cpu = ""
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
-    return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu,
-            "cores": os.cpu_count(), "python": platform.python_version(), "commit": commit}
 
 
 def command() -> str:
