@@ -22,8 +22,8 @@ def register(subparsers) -> None:
     d.add_argument("--corpus", default="builtin:pydoc",
                    help="folder of .txt/.md/.pdf/.html documents (uploads are saved there), or builtin:pydoc")
     d.add_argument("--store", default=None,
-                   help="chunk store spec (default disk:<data-dir>/kv; e.g. redis://host:6379/0 to share "
-                        "compiled chunks between replicas)")
+                   help="chunk store spec (default memory?max_bytes=2G+disk:<data-dir>/kv, so a restart "
+                        "reuses compiled chunks; memory+redis://HOST:6379/0 shares them between replicas)")
     d.add_argument("--policy", default="legolink-16", help="default link policy (the page can switch)")
     d.add_argument("--api-key", default=None,
                    help="require this key (Authorization: Bearer KEY); default: $EPIC_RAG_API_KEY, else none")
