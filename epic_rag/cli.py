@@ -92,6 +92,8 @@ _EXTRA_COMMANDS: list = []
 def _load_extra_commands() -> None:
     import importlib
 
+    if _EXTRA_COMMANDS:   # main() may run several times in one process (tests)
+        return
     for mod in ("epic_rag.store.cli", "apps.demo.cli", "epic_rag.bench.cli"):
         try:
             m = importlib.import_module(mod)

@@ -2,16 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .models import DEFAULT_MODEL
 from .policy import parse_policy
+
+if TYPE_CHECKING:
+    from .store import ChunkStore
 
 
 @dataclass(slots=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
     policy: str = "legolink-16"          # default link policy; each request may override it
-    store: str = "memory"                # chunk store spec (see epic_rag.store.open_store)
+    store: "str | ChunkStore" = "memory"  # chunk store spec (see epic_rag.store.open_store) or an open store
     dtype: str = "auto"                  # auto: fp32 on CPUs without native bf16, bf16 on GPUs
     max_model_len: int = 8192
     max_num_seqs: int = 16

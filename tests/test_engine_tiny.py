@@ -192,3 +192,34 @@ def test_leading_glue_is_linked_exactly_and_not_recomputed(tiny_engine):
     segs = ["x" * 40, Chunk(CHUNKS[0]), "\nq?"]
     exact = tiny_engine.generate(segs, max_tokens=8, policy="legolink-4096")
     assert exact.token_ids == tiny_engine.generate(segs, max_tokens=8, policy="full").token_ids
+
+
+async def test_cancelling_during_setup_aborts_the_submitted_request(tiny_engine, monkeypatch):
+    import asyncio
+    import time
+
+    req = _req(["a chunk compiled on the fly, " * 20])   # a prompt the tiny model answers at full length
+    ref = await tiny_engine.agenerate(req, max_tokens=1500, policy="legolink-4")
+    if ref.finish_reason != "length" or ref.total_s < 3.0:
+        pytest.skip("the tiny model stopped early: no long generation to cut short")
+    build = tiny_engine._build
+
+    def slow_build(*a, **k):           # a setup that takes a while (as compiling a long chunk does)
+        time.sleep(0.5)
+        return build(*a, **k)
+
+    monkeypatch.setattr(tiny_engine, "_build", slow_build)
+    task = asyncio.ensure_future(tiny_engine.agenerate(req, max_tokens=1500, policy="legolink-4"))
+    await asyncio.sleep(0.1)           # inside setup
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # Setup then finishes and submits; the request must be aborted long before its 1500 tokens are done.
+    await asyncio.sleep(0.5 + ref.total_s / 3)
+    assert not tiny_engine.runtime.llm.has_unfinished_requests(), "the request ran on after its caller was cancelled"
+
+
+def test_compile_of_stored_chunks_checks_existence_without_loading(tiny_engine, monkeypatch):
+    tiny_engine.compile(CHUNKS)
+    monkeypatch.setattr(tiny_engine.store, "get", lambda key: pytest.fail("compile loaded stored KV"))
+    assert [r.key for r in tiny_engine.compile(CHUNKS)]

@@ -111,3 +111,16 @@ def test_a_layout_that_scrambles_data_fails_its_self_check():
 
     with pytest.raises(LayoutError):
         Broken().self_check(torch.zeros((3, 2, 16, 16)))
+
+
+def test_chunk_keys_change_with_model_tokenizer_dtype_variant_and_tokens():
+    from epic_rag.engine.engine import chunk_key, kv_fingerprint
+
+    base = kv_fingerprint("model-a", "tok-a", "torch.float32")
+    k = chunk_key(base, [1, 2, 3])
+    assert chunk_key(base, [1, 2, 3]) == k                       # content only: stable
+    assert chunk_key(kv_fingerprint("model-b", "tok-a", "torch.float32"), [1, 2, 3]) != k
+    assert chunk_key(kv_fingerprint("model-a", "tok-b", "torch.float32"), [1, 2, 3]) != k
+    assert chunk_key(kv_fingerprint("model-a", "tok-a", "torch.bfloat16"), [1, 2, 3]) != k
+    assert chunk_key(base, [1, 2, 3], "dummy3") != k
+    assert chunk_key(base, [1, 2, 4]) != k and chunk_key(base, [3, 2, 1]) != k

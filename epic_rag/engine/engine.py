@@ -91,9 +91,8 @@ class EpicEngine:
         self._llm = LLMEngine.from_engine_args(args)
         self.kv_info = self._llm.collective_rpc("epic_attach")[0]
         self.tokenizer = self._llm.get_tokenizer()
-        self._fp = hashlib.sha256(
-            f"{model_fingerprint(self.model_dir)}|{tokenizer_fingerprint(self.tokenizer)}|"
-            f"{self.kv_info['kv_dtype']}".encode()).hexdigest()
+        self._fp = kv_fingerprint(model_fingerprint(self.model_dir), tokenizer_fingerprint(self.tokenizer),
+                                  self.kv_info["kv_dtype"])
         self.max_model_len = config.max_model_len
         self._inflight: dict[str, Future] = {}
         self._inflight_lock = threading.Lock()
@@ -104,10 +103,7 @@ class EpicEngine:
     # ------------------------------------------------------------------ keys and compile
     def chunk_key(self, token_ids: Sequence[int], variant: str = "plain") -> str:
         """Content-derived key: model, tokenizer and KV dtype fingerprint, compile variant, tokens."""
-        h = hashlib.sha256(self._fp.encode())
-        h.update(variant.encode())
-        h.update(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
-        return f"{variant}-{h.hexdigest()[:40]}"
+        return chunk_key(self._fp, token_ids, variant)
 
     def compile(self, chunks: Sequence[str], policy: str | None = None) -> list[ChunkRef]:
         """Compile chunk texts (skipping those already stored); returns refs in input order."""
@@ -116,8 +112,12 @@ class EpicEngine:
         variant = parse_policy(policy).compile_variant if policy else self.default_policy.compile_variant
         texts = [check_chunk_text(c) for c in chunks]
         toks = [self._chunk_tokens(t) for t in texts]
-        kvs, _ = self._resolve([(tk, variant) for tk in toks])
-        refs = [ChunkRef(kv.key, kv.num_tokens, t) for kv, t in zip(kvs, texts)]
+        keys = [self.chunk_key(tk, variant) for tk in toks]
+        # An existence check, not a load: re-compiling a stored corpus must not read all its KV back.
+        missing = [(tk, variant) for tk, key in zip(toks, keys) if not self.store.contains(key)]
+        if missing:
+            self._resolve(missing)
+        refs = [ChunkRef(key, len(tk), t) for key, tk, t in zip(keys, toks, texts)]
         for r in refs:
             self.text_index.add(r)
         return refs
@@ -130,16 +130,16 @@ class EpicEngine:
             raise ValueError(f"chunk of {len(ids)} tokens exceeds the context window ({self.max_model_len})")
         return ids
 
-    def _resolve(self, wanted: list[tuple[list[int], str]]) -> tuple[list[ChunkKV], int]:
-        """Fetch every chunk's KV, compiling the missing ones in one vLLM batch (single flight).
-
-        Returns the KVs in order and how many had to be compiled here (misses)."""
+    def _resolve(self, wanted: list[tuple[list[int], str]],
+                 known: dict[str, ChunkKV] | None = None) -> tuple[list[ChunkKV], int]:
+        """Fetch every chunk's KV (from `known`, already loaded, or the store), compiling the missing
+        ones in one vLLM batch (single flight). Returns the KVs in order and how many were compiled here."""
         results: list[ChunkKV | None] = [None] * len(wanted)
         waits: list[tuple[int, Future]] = []
         mine: dict[str, tuple[Future, list[int], str]] = {}
         for i, (tokens, variant) in enumerate(wanted):
             key = self.chunk_key(tokens, variant)
-            kv = self.store.get(key)
+            kv = (known or {}).get(key) or self.store.get(key)
             if kv is not None:
                 results[i] = kv
                 continue
@@ -222,6 +222,7 @@ class EpicEngine:
         ids: list[int] = []
         placed: list[tuple[int, int]] = []     # (index into wanted, start)
         wanted: list[tuple[list[int], str]] = []
+        known: dict[str, ChunkKV] = {}        # ChunkRefs' KV loaded here, not loaded twice from a slow tier
         variant = policy.compile_variant
         for seg in segments:
             if isinstance(seg, str):
@@ -231,6 +232,7 @@ class EpicEngine:
                 kv = self.store.get(seg.key)
                 if kv is not None:
                     toks = kv.token_ids
+                    known[kv.key] = kv
                 elif seg.text is not None:
                     toks = self._chunk_tokens(seg.text)
                 else:
@@ -249,7 +251,7 @@ class EpicEngine:
                              f"({self.max_model_len} tokens, one at least kept for the answer)")
         if not policy.links_chunks or not placed:
             return _Prompt(ids, [], 0, 0)
-        kvs, misses = self._resolve(wanted)
+        kvs, misses = self._resolve(wanted, known)
         spans = [(start, kvs[i], False) for i, start in placed]
         # The glue before the first chunk (system prompt, instructions) sits at position 0 with no context
         # before it: its compiled KV is exact, so it is linked like a chunk and never recomputed.
@@ -345,8 +347,15 @@ class EpicEngine:
         def sink(d):
             loop.call_soon_threadsafe(q.put_nowait, d)
 
-        # Prompt building may compile chunks (blocking): run it off the event loop.
-        run = _Run(self, *await asyncio.to_thread(self._start, request, max_tokens, temperature, policy, stop, sink))
+        # Prompt building may compile chunks (blocking): run it off the event loop. If the caller is
+        # cancelled meanwhile, the request that setup submits is aborted as soon as it exists.
+        setup = asyncio.ensure_future(asyncio.to_thread(self._start, request, max_tokens, temperature, policy,
+                                                        stop, sink))
+        try:
+            run = _Run(self, *await asyncio.shield(setup))
+        except asyncio.CancelledError:
+            setup.add_done_callback(lambda f: None if f.cancelled() or f.exception() else _Run(self, *f.result()).cancel())
+            raise
         try:
             while True:
                 d = await q.get()
@@ -429,6 +438,18 @@ class _Run:
                           chunk_misses=self.prompt.misses, policy=self.pol.name, finish_reason=self.finish,
                           chunk_keys=[kv.key for _, kv, exact in self.prompt.spans if not exact],
                           prefix_cached_tokens=0 if job is not None else (self.cached or 0))
+
+
+def kv_fingerprint(model_fp: str, tokenizer_fp: str, kv_dtype: str) -> str:
+    """What a chunk's KV depends on besides its tokens and compile variant."""
+    return hashlib.sha256(f"{model_fp}|{tokenizer_fp}|{kv_dtype}".encode()).hexdigest()
+
+
+def chunk_key(fingerprint: str, token_ids: Sequence[int], variant: str = "plain") -> str:
+    h = hashlib.sha256(fingerprint.encode())
+    h.update(variant.encode())
+    h.update(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
+    return f"{variant}-{h.hexdigest()[:40]}"
 
 
 def _truncate(kv: ChunkKV, n: int) -> ChunkKV:
