@@ -11,9 +11,13 @@ test: setup
 	$(PYTEST) -m "not smollm" tests
 	$(PYTEST) -m smollm tests
 
-# The README's main command: sets up what is missing, then runs the main job on the embedded default.
+# The README's main command: sets up what is missing, then runs the main job on the embedded default:
+# the demo chat app (SmolLM2, pydoc corpus, FAISS, disk chunk store) on http://127.0.0.1:8000.
 demo: setup
-	$(VENV)/epic-rag ask --question "What does the json module's dumps function do?" --docs builtin:pydoc
+	$(VENV)/epic-rag demo
 
+# Benchmarks (not tests): results land in bench/results/ and docs/bench/ with the commands that made them.
 bench: setup
 	$(VENV)/python bench/bench_link.py
+	$(VENV)/python bench/bench_store.py
+	$(VENV)/epic-rag bench all --out docs/bench
