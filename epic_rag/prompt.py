@@ -16,6 +16,9 @@ def render_request(tokenizer, req: RagRequest) -> list[Segment]:
     """Chat-template a RagRequest, with each chunk kept as its own segment."""
     if not isinstance(req.question, str) or not req.question.strip():
         raise ValueError("question must be a non-empty string")
+    if not req.chunks:
+        raise ValueError("RagRequest needs at least one chunk; for a prompt without documents pass a "
+                         "prompt string or a list of segments (see EpicEngine.render_messages)")
     marks = [f"\x00EPIC{uuid.uuid4().hex}_{i}\x00" for i in range(len(req.chunks))]
     body = DEFAULT_INSTRUCTION
     for i, m in enumerate(marks):

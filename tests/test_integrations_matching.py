@@ -55,9 +55,10 @@ def test_split_rejects_non_strings():
 
 
 # ---------------------------------------------------------------- tiny engine (str prompts, chat messages)
+# Texts no other test compiles: the session's engine (and its text index) is shared across test files.
 TINY_CHUNKS = [
-    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b",
-    "class Stack:\n    def __init__(self):\n        self.items = []",
+    "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n    return a / b",
+    "class Queue:\n    def __init__(self):\n        self.items = []",
 ]
 
 

@@ -158,7 +158,7 @@ class ChatEpic(BaseChatModel):
 
     def _request(self, messages: Sequence[BaseMessage], kwargs: dict[str, Any]):
         chunks = kwargs.get("chunks")
-        if chunks is not None:
+        if chunks:   # an empty list (nothing retrieved) falls through to a plain chat prompt
             system = [_text(m.content, "system") for m in messages if isinstance(m, SystemMessage)]
             rest = [m for m in messages if not isinstance(m, SystemMessage)]
             if len(rest) != 1 or not isinstance(rest[0], HumanMessage):

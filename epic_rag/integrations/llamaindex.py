@@ -329,8 +329,12 @@ class EpicSynthesizer(BaseSynthesizer):
     def _update_prompts(self, prompts: dict[str, Any]) -> None:
         pass
 
-    def _request(self, query_str: str, text_chunks: Sequence[str]) -> RagRequest:
+    def _request(self, query_str: str, text_chunks: Sequence[str]):
         chunks = [c.strip() for c in text_chunks if c and c.strip()]
+        if not chunks:   # nothing retrieved: a plain chat prompt
+            return self._epic.engine.render_messages(
+                ([{"role": "system", "content": self._system}] if self._system else [])
+                + [{"role": "user", "content": query_str}])
         return RagRequest(question=query_str, chunks=chunks, system=self._system)
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
