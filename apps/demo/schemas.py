@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 
 class TextPart(BaseModel):
@@ -52,6 +52,19 @@ class ChatCompletionRequest(BaseModel):
     top_k: StrictInt | None = Field(default=None, ge=0)
     chunk_ids: list[StrictStr] | None = Field(default=None, max_length=64)
     use_retrieval: StrictBool = True
+
+    @model_validator(mode="after")
+    def _text_is_unicode(self):
+        """JSON may escape lone surrogates ("\\ud800"): not text; tokenizers raise TypeError on them."""
+        texts = [(f"messages.{i}.content", m.text) for i, m in enumerate(self.messages)]
+        texts += [("model", self.model), ("policy", self.policy)]
+        texts += [("stop", s) for s in self.stop_list or []] + [("chunk_ids", c) for c in self.chunk_ids or []]
+        for where, s in texts:
+            try:
+                (s or "").encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{where}: not valid Unicode text (lone surrogate at position {e.start})") from None
+        return self
 
     @property
     def stop_list(self) -> list[str] | None:
