@@ -77,11 +77,11 @@ class LimitsAndMetrics:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         limit = self._limit(scope["path"])
-        status = {"code": 500}
+        status = {"code": 500, "started": False}
 
         async def send_wrapper(msg):
             if msg["type"] == "http.response.start":
-                status["code"] = msg["status"]
+                status["code"], status["started"] = msg["status"], True
                 headers = list(msg.get("headers", []))
                 headers.append((b"x-content-type-options", b"nosniff"))
                 msg = {**msg, "headers": headers}
@@ -106,7 +106,15 @@ class LimitsAndMetrics:
                         raise _BodyTooLarge(limit)
                 return msg
 
-            await self.app(scope, limited_receive, send_wrapper)
+            try:
+                await self.app(scope, limited_receive, send_wrapper)
+            except Exception as exc:
+                if status["started"]:
+                    raise
+                # Answered here rather than by Starlette's ServerErrorMiddleware, which re-raises: uvicorn
+                # would then close the keep-alive connection, failing the client's next request on it.
+                log.exception("unhandled error on %s", scope["path"])
+                await _error_response(500, f"internal error: {type(exc).__name__}")(scope, receive, send_wrapper)
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or ("/static" if scope["path"].startswith("/static/") else "other")
