@@ -51,4 +51,8 @@ def check_chunk_text(text: object) -> str:
 
 def encode_text(tokenizer, text: str) -> list[int]:
     """Tokens of one piece on its own; special-token strings in the template become special ids."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:   # a lone surrogate: the tokenizer would raise an opaque TypeError
+        raise ValueError(f"text is not valid Unicode (lone surrogate at position {e.start})") from None
     return list(tokenizer.encode(text, add_special_tokens=False))

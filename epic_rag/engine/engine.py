@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -107,8 +107,8 @@ class EpicEngine:
 
     def compile(self, chunks: Sequence[str], policy: str | None = None) -> list[ChunkRef]:
         """Compile chunk texts (skipping those already stored); returns refs in input order."""
-        if isinstance(chunks, str):
-            raise ValueError("compile takes a list of chunk texts, not one string")
+        if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Iterable):
+            raise ValueError(f"compile takes a list of chunk texts, got {type(chunks).__name__}")
         variant = parse_policy(policy).compile_variant if policy else self.default_policy.compile_variant
         texts = [check_chunk_text(c) for c in chunks]
         toks = [self._chunk_tokens(t) for t in texts]
@@ -281,6 +281,9 @@ class EpicEngine:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if not isinstance(temperature, (int, float)) or not 0.0 <= float(temperature) <= 5.0:
             raise ValueError(f"temperature must be a number in [0, 5], got {temperature!r}")
+        if stop is not None and not isinstance(stop, str) and (
+                not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         t0 = time.perf_counter()
         prompt = self._build(self._segments(request), pol)
         max_tokens = min(max_tokens, self.max_model_len - len(prompt.token_ids))
