@@ -1,0 +1,64 @@
+"""Issue 7, load: the soak harness (bench/soak.py) for ~20 s in a tiny configuration against the demo app on
+SmolLM2 (the session's `smol_engine`, served in-process on loopback): every request is answered or refused
+with a clear status, streams finish with [DONE], nothing is left in flight. The full 5-minute, 16-client run
+is `bench/soak.py soak` (results in bench/results/soak.md); it does not run in CI.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from apps.demo.config import DemoConfig
+from apps.demo.server import BackgroundServer, create_app
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import soak  # noqa: E402
+
+pytestmark = pytest.mark.smollm
+
+
+@pytest.fixture(scope="module")
+def server(smol_engine, tmp_path_factory):
+    root = tmp_path_factory.mktemp("soak")
+    docs = dict(list(soak.corpus_docs().items())[:3])
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for name, (text, _, _) in docs.items():
+        (corpus / name).write_text(text)
+    cfg = DemoConfig(corpus=str(corpus), data_dir=root / "data", store="memory?max_bytes=1G", api_key=soak.KEY,
+                     top_k=2)
+    app = create_app(engine=smol_engine, config=cfg)
+    srv = BackgroundServer(app).start()
+    assert app.state.demo.library.wait_ready(300), app.state.demo.library.status()
+    srv.app, srv.docs = app, docs
+    yield srv
+    srv.stop()
+
+
+async def test_soak_harness_short_run_every_request_answered_or_refused(server, tmp_path):
+    questions = [(n, q, a) for n, (_, q, a) in server.docs.items()]
+    rss = psutil.Process().memory_info
+    load = await soak.run_load(server.url, soak.KEY, questions, duration_s=20, concurrency=4, max_tokens=12,
+                               rss=lambda: rss().rss, seed=3)
+    s = soak.summarize(load, warmup_s=5)
+    assert s["requests"] >= 8 and s["answered_ok"] >= 4, s
+    assert s["errors"] == 0, s["error_examples"]
+    assert set(s["outcomes"]) <= {"ok", "rejected", "cancelled"}
+    assert all(r["status"] in (200, 400) for r in load["records"] if "status" in r)
+    assert s["ttft_client_stream_s"]["n"] >= 1 and s["ttft_client_stream_s"]["p50"] > 0
+    assert s["rss_mib"]["peak"] >= s["rss_mib"]["first"] > 0
+    end = time.monotonic() + 30
+    while server.app.state.demo.active_chats and time.monotonic() < end:
+        time.sleep(0.1)
+    assert server.app.state.demo.active_chats == 0
+    data = {"command": "test", "server_cmd": ["epic-rag", "demo"], "machine": {}, "summary": s,
+            "config": {"concurrency": 4, "duration_s": 20, "max_tokens": 12, "warmup_s": 5, "documents": 3,
+                       "chunks": 0, "ingest_s": 0.0, "kinds": dict(soak.KINDS), "policies": dict(soak.POLICIES)},
+            "rss_timeline": load["rss"]}
+    md = soak.soak_markdown(data)
+    assert "| requests |" in md and "TTFT" in md
