@@ -251,15 +251,18 @@ async def _one(client, rng: random.Random, questions: list[tuple[str, str, str]]
 
 async def run_load(url: str, key: str, questions: list[tuple[str, str, str]], duration_s: float,
                    concurrency: int, max_tokens: int = 48, rss: Callable[[], int] | None = None, seed: int = 0,
-                   request_timeout: float = 300.0, rss_every_s: float = 1.0) -> dict:
+                   request_timeout: float = 300.0, rss_every_s: float = 1.0,
+                   probe: Callable[[], dict] | None = None, probe_every_s: float = 5.0) -> dict:
     """Closed-loop load: `concurrency` clients send requests back to back until `duration_s` has passed
-    (requests in flight then finish). Returns every request record and the RSS samples."""
+    (requests in flight then finish). Returns every request record, the RSS samples and the `probe`
+    samples (e.g. the server's store metrics), each with its time."""
     import httpx
 
     t0 = time.monotonic()
     end = t0 + duration_s
     records: list[dict] = []
     samples: list[tuple[float, int]] = []
+    probes: list[tuple[float, dict]] = []
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
 
     async def sampler():
@@ -268,6 +271,15 @@ async def run_load(url: str, key: str, questions: list[tuple[str, str, str]], du
                 samples.append((round(time.monotonic() - t0, 2), rss()))
             await asyncio.sleep(rss_every_s)
 
+    async def prober():
+        while probe is not None:
+            t = round(time.monotonic() - t0, 2)
+            try:
+                probes.append((t, await asyncio.to_thread(probe)))
+            except Exception as e:  # a failed scrape is recorded, not fatal
+                probes.append((t, {"error": f"{type(e).__name__}: {e}"}))
+            await asyncio.sleep(probe_every_s)
+
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, limits=limits,
                                  timeout=httpx.Timeout(request_timeout, connect=30)) as client:
         async def worker(w: int):
@@ -275,11 +287,13 @@ async def run_load(url: str, key: str, questions: list[tuple[str, str, str]], du
             while time.monotonic() < end:
                 records.append(await _one(client, rng, questions, max_tokens, t0))
 
-        task = asyncio.ensure_future(sampler())
+        tasks = [asyncio.ensure_future(sampler()), asyncio.ensure_future(prober())]
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        wall = time.monotonic() - t0
         await asyncio.sleep(min(2.0, rss_every_s * 2))
-        task.cancel()
-    return {"records": records, "rss": samples, "wall_s": time.monotonic() - t0}
+        for t in tasks:
+            t.cancel()
+    return {"records": records, "rss": samples, "probes": probes, "wall_s": wall}
 
 
 def summarize(load: dict, warmup_s: float) -> dict:
@@ -305,6 +319,12 @@ def summarize(load: dict, warmup_s: float) -> dict:
         "answers_with_expected_fact": round(sum(graded) / len(graded), 3) if graded else None,
         "error_examples": [r.get("error") for r in recs if r["outcome"] == "error"][:10],
     }
+    mem = [(t, p['epic_rag_store_bytes{tier="memory"}']) for t, p in load.get("probes", [])
+           if 'epic_rag_store_bytes{tier="memory"}' in p]
+    if mem:
+        warm = [b for t, b in mem if t >= warmup_s] or [mem[-1][1]]
+        out["memory_tier_mib"] = {"after_warmup": _mib(warm[0]), "end": _mib(mem[-1][1]),
+                                  "growth_after_warmup": _mib(mem[-1][1] - warm[0])}
     if rss:
         out["rss_mib"] = {"first": _mib(rss[0][1]), "after_warmup": _mib(after[0]), "peak": _mib(max(v for _, v in rss)),
                           "end": _mib(rss[-1][1]), "growth_after_warmup": _mib(rss[-1][1] - after[0]),
@@ -350,6 +370,12 @@ def soak_markdown(data: dict) -> str:
             f"| RSS growth after warm-up (end - warm; max - warm) | {r['growth_after_warmup']} MiB; "
             f"{r['max_after_warmup_minus_warm']} MiB |",
         ]
+    mt = s.get("memory_tier_mib")
+    if mt and r:
+        lines.append(f"| chunk KV added to the memory tier after warm-up (explains RSS growth) | "
+                     f"{mt['growth_after_warmup']} MiB ({mt['after_warmup']} -> {mt['end']} MiB) |")
+        lines.append(f"| RSS growth after warm-up not explained by the memory tier | "
+                     f"{round(r['growth_after_warmup'] - mt['growth_after_warmup'], 1)} MiB |")
     st = data.get("metrics_end", {})
     mem = st.get('epic_rag_store_bytes{tier="memory"}')
     entries = int(st.get('epic_rag_store_entries{tier="memory"}', 0))
@@ -388,8 +414,13 @@ def cmd_soak(args) -> int:
         st = server.wait_ready()
         ingest_s = time.monotonic() - t0
         print(f"server ready in {ingest_s:.0f} s: {st['chunks']} chunks compiled; load for {args.duration} s", flush=True)
+        def store_metrics() -> dict:
+            return {k: v for k, v in scrape_metrics(server.url, KEY).items()
+                    if k.startswith(("epic_rag_store_bytes", "epic_rag_store_entries", "epic_rag_inflight"))}
+
         load = asyncio.run(run_load(server.url, KEY, questions, args.duration, args.concurrency, args.max_tokens,
-                                    rss=process_rss(server.proc.pid), seed=args.seed))
+                                    rss=process_rss(server.proc.pid), seed=args.seed, probe=store_metrics,
+                                    probe_every_s=5.0))
         time.sleep(2.0)
         metrics = scrape_metrics(server.url, KEY)
         inflight = metrics.get("epic_rag_inflight_requests")
@@ -406,7 +437,7 @@ def cmd_soak(args) -> int:
                    "warmup_s": args.warmup, "seed": args.seed, "documents": len(docs), "chunks": st["chunks"],
                    "ingest_s": round(ingest_s, 1), "kinds": dict(KINDS), "policies": dict(POLICIES)},
         "summary": summary, "metrics_end": metrics, "inflight_after": inflight,
-        "rss_timeline": load["rss"][::step],
+        "rss_timeline": load["rss"][::step], "store_timeline": load["probes"],
         "records": load["records"],
     }
     out = Path(args.out)
