@@ -93,8 +93,8 @@ async def _open_loop(engine, policy: str, rate: float, n_requests: int, pool: li
             "ttft_p99_s": _pct(ttfts, 0.99), "wall_s": wall}
 
 
-def async_load(engine, rates=(0.1, 0.25, 0.5, 1.0), policies=("full", "naive", "cacheblend-15", "legolink-16"),
-               n_requests=16, pool_size=12, chunks_per_request=4, chunk_tokens=512, max_tokens=8,
+def async_load(engine, rates=(0.25, 0.5, 1.0, 2.0), policies=("full", "naive", "cacheblend-15", "legolink-16"),
+               n_requests=12, pool_size=12, chunks_per_request=4, chunk_tokens=512, max_tokens=8,
                progress=True) -> list[dict]:
     """Poisson arrivals at each rate; each request draws chunks from a shared pool (all compiled up front,
     as a corpus is); stops raising the rate for a policy once it saturates (throughput < 70% of rate)."""
