@@ -594,7 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("fuzz", help="schemathesis against epic-rag demo's OpenAPI schema")
     f.add_argument("--max-examples", type=int, default=100)
     f.add_argument("--seed", type=int, default=1)
-    f.add_argument("--workers", type=int, default=2)
+    f.add_argument("--workers", type=int, default=1,
+                   help="schemathesis workers (default 1: with 2, CPython 3.11 ast.parse races inside hypothesis)")
     f.add_argument("--out", default=str(RESULTS))
     f.set_defaults(func=cmd_fuzz)
     args = p.parse_args(argv)
