@@ -49,6 +49,8 @@ def test_schemathesis_finds_no_server_error(server, tmp_path):
     cmd, env = fuzz_command(st, server.url, KEY, max_examples=20, seed=7, report=report)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     summary = summarize_fuzz_report(json.loads(report.read_text()))
+    print(f"\nschemathesis: {summary['cases']} cases over {summary['operations']} operations, "
+          f"{len(summary['failures'])} failures, {summary['running_time_s']} s")
     assert summary["cases"] >= 100 and summary["operations"] >= 7, (summary, r.stdout[-3000:])
     assert summary["failures"] == [], (summary["failures"], r.stdout[-5000:])
     assert r.returncode == 0, r.stdout[-5000:]
