@@ -117,10 +117,11 @@ def async_load(engine, rates=(0.25, 0.5, 1.0, 2.0), policies=("full", "naive", "
     return rows
 
 
-def scaling(engine, counts=(4, 8, 16, 32), chunk_tokens=256, policies=("full", "naive", "cacheblend-15",
+def scaling(engine, counts=(4, 8, 16, 32), chunk_tokens=224, policies=("full", "naive", "cacheblend-15",
                                                                      "legolink-16"), reps=2,
             progress=True) -> list[dict]:
-    """TTFT and memory against the number of chunks (256-token chunks keep 32 inside SmolLM2's window)."""
+    """TTFT and memory against the number of chunks (224-token chunks keep 32 of them, with the template,
+    inside SmolLM2's 8192-token window)."""
     from tqdm import tqdm
 
     rows = []

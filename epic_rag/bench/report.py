@@ -112,7 +112,7 @@ def write_report(out: Path, title: str = "Benchmarks") -> Path:
                       f"{r['throughput_rps']:.3f} | {r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.3f} |")
         md.append("")
     if scal:
-        md += ["## Scaling with the number of chunks (256-token chunks)", "",
+        md += ["## Scaling with the number of chunks (224-token chunks)", "",
                "| chunks | prompt tokens | policy | TTFT median (s) | recomputed | linker workspace (MB) | process peak RSS (MB) |",
                "|---|---|---|---|---|---|---|"]
         for r in scal:
