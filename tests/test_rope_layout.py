@@ -124,3 +124,17 @@ def test_chunk_keys_change_with_model_tokenizer_dtype_variant_and_tokens():
     assert chunk_key(kv_fingerprint("model-a", "tok-a", "torch.bfloat16"), [1, 2, 3]) != k
     assert chunk_key(base, [1, 2, 3], "dummy3") != k
     assert chunk_key(base, [1, 2, 4]) != k and chunk_key(base, [3, 2, 1]) != k
+
+
+@pytest.mark.parametrize("layout", [CpuAttnLayout("vec"), FlashAttnLayout()])
+@pytest.mark.parametrize("start, end", [(0, 256), (5, 300), (130, 140), (0, 1), (127, 129)])
+def test_range_reads_and_writes_match_per_slot_access(layout, start, end):
+    N, H, D = 128, 3, 32
+    block_ids = [6, 2, 9, 4]
+    cache = torch.zeros((10, H, N, 2 * D))
+    k, v = torch.randn(end - start, H, D), torch.randn(end - start, H, D)
+    layout.write_range(cache, block_ids, start, end, k, v)
+    rk, rv = layout.read(cache, slots_for(block_ids, torch.arange(start, end), N))
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+    rk2, rv2 = layout.read_range(cache, block_ids, start, end)
+    assert torch.equal(rk2, k) and torch.equal(rv2, v)

@@ -23,7 +23,7 @@ import torch
 
 from ..policy import Policy
 from ..store import ChunkKV
-from .layout import KVLayout, slots_for
+from .layout import KVLayout
 from .rope import KeyRotator
 
 CHECK_LAYER = 1  # CacheBlend selects its tokens from the deviation at this layer
@@ -217,12 +217,10 @@ class Linker:
     def capture(self, block_ids: list[int], start: int, end: int, k_out: torch.Tensor, v_out: torch.Tensor,
                 offset: int = 0) -> None:
         """Copy positions [start, end) of a request's paged KV into k_out/v_out: [L, T, Hkv, D] at t - offset."""
-        slots = slots_for(block_ids, torch.arange(start, end), self.block_size).to(self.cache_of(0).device)
         lo, hi = max(start, offset), end
         if hi <= lo:
             return
-        keep = slice(lo - start, hi - start)
         for li in range(len(self.layers)):
-            k, v = self.layout.read(self.cache_of(li), slots)      # [n, Hkv, D]
-            k_out[li, lo - offset: hi - offset] = k[keep].to(k_out.device)
-            v_out[li, lo - offset: hi - offset] = v[keep].to(v_out.device)
+            k, v = self.layout.read_range(self.cache_of(li), block_ids, lo, hi)      # [n, Hkv, D]
+            k_out[li, lo - offset: hi - offset] = k.to(k_out.device)
+            v_out[li, lo - offset: hi - offset] = v.to(v_out.device)
