@@ -41,7 +41,7 @@ def main() -> None:
 
     from epic_rag import EngineConfig, EpicEngine
     from epic_rag.corpus import pydoc_documents
-    from epic_rag.store import DiskStore, codec, open_store
+    from epic_rag.store import DiskStore, open_store
     from epic_rag.store.localredis import LocalRedis
 
     load_before = os.getloadavg()
