@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command, machine, median, token_chunks, write  # noqa: E402
+from common import command, machine, median, write  # noqa: E402
 
 POLICIES = ["full", "prefix", "naive", "legolink-0", "legolink-2", "legolink-16", "legolink-32",
             "cacheblend-5", "cacheblend-15"]
@@ -28,24 +28,23 @@ def main() -> None:
     args = ap.parse_args()
 
     from epic_rag import EngineConfig, EpicEngine, RagRequest
-    from epic_rag.corpus import pydoc_documents
+    from epic_rag.bench.latency import corpus_chunks
 
     engine = EpicEngine(EngineConfig(model="smollm2-135m-instruct", dtype="float32", max_model_len=8192,
                                      kv_cache_gib=4, max_num_seqs=16))
-    corpus = "\n\n".join(d.text for d in pydoc_documents())
     n, T = args.chunks, args.chunk_tokens
-    chunks = token_chunks(engine.tokenizer, corpus, T, n)
+    chunks = corpus_chunks(engine.tokenizer, n, T)
     question = "Which function in these documents serializes an object to a JSON formatted string?"
 
     # Compile throughput vs plain prefill, both batched by vLLM: fresh texts each round (no cache hits).
     compile_tps, prefill_tps = [], []
     for r in range(3):
-        fresh = token_chunks(engine.tokenizer, corpus, T, n, start=(r + 1) * n * T)
+        fresh = corpus_chunks(engine.tokenizer, n, T, offset=(r + 1) * n)
         t0 = time.perf_counter()
         refs = engine.compile(fresh)
         compile_tps.append(sum(x.num_tokens for x in refs) / (time.perf_counter() - t0))
         import threading
-        fresh2 = token_chunks(engine.tokenizer, corpus, T, n, start=(r + 4) * n * T)
+        fresh2 = corpus_chunks(engine.tokenizer, n, T, offset=(r + 4) * n)
         ids = [engine.tokenizer.encode(t, add_special_tokens=False) for t in fresh2]
         done = [threading.Event() for _ in ids]
         t0 = time.perf_counter()

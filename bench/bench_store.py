@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command, machine, median, token_chunks, write  # noqa: E402
+from common import command, machine, median, write  # noqa: E402
 
 
 def drop_cache(path: Path) -> None:
@@ -40,18 +40,17 @@ def main() -> None:
     import torch
 
     from epic_rag import EngineConfig, EpicEngine
-    from epic_rag.corpus import pydoc_documents
+    from epic_rag.bench.latency import corpus_chunks
     from epic_rag.store import DiskStore, open_store
     from epic_rag.store.localredis import LocalRedis
 
     load_before = os.getloadavg()
     engine = EpicEngine(EngineConfig(model="smollm2-135m-instruct", dtype="float32", max_model_len=2048,
                                      kv_cache_gib=1, max_num_seqs=4))
-    corpus = "\n\n".join(d.text for d in pydoc_documents())
     T = args.chunk_tokens
 
     # Compile time of a fresh chunk (a new text each time: nothing cached).
-    texts = token_chunks(engine.tokenizer, corpus, T, args.compiles + 1)
+    texts = corpus_chunks(engine.tokenizer, args.compiles + 1, T)
     engine.compile([texts[-1]])  # warm-up
     compile_s, refs = [], []
     for text in texts[:-1]:

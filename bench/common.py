@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: machine facts, token-exact chunks, result files."""
+"""Shared helpers for the benchmark scripts: machine facts, command line, result files."""
 from __future__ import annotations
 
 import json
@@ -14,18 +14,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def command() -> str:
     return " ".join([".venv/bin/python", os.path.relpath(sys.argv[0], Path(__file__).parent.parent)] + sys.argv[1:])
-
-
-def token_chunks(tokenizer, text: str, n_tokens: int, count: int, start: int = 0) -> list[str]:
-    """`count` chunks of about n_tokens tokens, cut from consecutive token windows of `text`."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    out = []
-    for i in range(count):
-        lo = start + i * n_tokens
-        if lo + n_tokens > len(ids):
-            raise ValueError("text too short for the requested chunks")
-        out.append(tokenizer.decode(ids[lo: lo + n_tokens]))
-    return out
 
 
 def median(xs: list[float]) -> float:
