@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .board import BOARD
 from .layout import layout_for
-from .linker import Linker
+from .linker import Linker, _find_attention
 from .rope import KeyRotator
 
 log = logging.getLogger(__name__)
@@ -131,15 +131,14 @@ class EpicConnector(KVConnectorBase_V1):
             from .rope import RopeError
             raise RopeError(f"{type(model).__name__} has no rotary embedding: position-independent "
                             "linking needs RoPE")
-        linker = Linker(model=model, kv_caches=self.kv_caches, layout=None, rotator=KeyRotator(rotary),
+        _, _, attn = _find_attention(first_layer)
+        layout = layout_for(attn)
+        cache = self.kv_caches[attn.layer_name]
+        layout.self_check(cache)
+        linker = Linker(model=model, kv_caches=self.kv_caches, layout=layout, rotator=KeyRotator(rotary),
                         block_size=self.block_size)
-        attn = linker.attn[0][2]
         if any(getattr(a.impl, "sliding_window", None) not in (None, -1, (-1, -1)) for _, _, a in linker.attn):
             raise RuntimeError("sliding-window attention drops tokens from chunk KV: not supported")
-        layout = layout_for(attn)
-        cache = linker.cache_of(0)
-        layout.self_check(cache)
-        linker.layout = layout
         self.linker = linker
         return {"layout": layout.name, "rope": type(rotary).__name__, "kv_dtype": str(cache.dtype),
                 "block_size": self.block_size, "num_layers": len(linker.layers),
