@@ -138,3 +138,53 @@ def test_range_reads_and_writes_match_per_slot_access(layout, start, end):
     assert torch.equal(rk, k) and torch.equal(rv, v)
     rk2, rv2 = layout.read_range(cache, block_ids, start, end)
     assert torch.equal(rk2, k) and torch.equal(rv2, v)
+
+
+class _FakeAttn:
+    """The fields of a vLLM Attention module that the paged-attention path reads."""
+
+    def __init__(self, Hq, Hk, D):
+        from types import SimpleNamespace
+
+        self.num_heads, self.num_kv_heads, self.head_size = Hq, Hk, D
+        self.impl = SimpleNamespace(scale=D ** -0.5, alibi_slopes=None, logits_soft_cap=0.0, sinks=None)
+
+
+def _reference_attention(q, K, V, R, scale):
+    """Each query at position R[i] attends keys [0, R[i]].  # q: [nR, Hq, D], K/V: [T, Hk, D]"""
+    G = q.shape[1] // K.shape[1]
+    Ke, Ve = K.repeat_interleave(G, 1), V.repeat_interleave(G, 1)          # [T, Hq, D]
+    s = torch.einsum("nhd,thd->hnt", q, Ke) * scale
+    s.masked_fill_(torch.arange(K.shape[0])[None, None, :] > R[None, :, None], float("-inf"))
+    return torch.einsum("hnt,thd->nhd", torch.softmax(s, -1), Ve)
+
+
+@pytest.mark.parametrize("runs", [[(0, 300)], [(0, 3), (40, 56), (130, 131), (200, 216), (290, 300)]])
+def test_cpu_kernel_attention_over_pages_equals_masked_attention(runs):
+    # Runs of recomputed positions become kernel "sequences" over shared pages: query at t sees [0, t].
+    N, Hq, Hk, D, T = 128, 6, 2, 64, 300
+    layout, attn = CpuAttnLayout("vec"), _FakeAttn(Hq, Hk, D)
+    block_ids = [3, 0, 5]
+    cache = torch.zeros((6, Hk, N, 2 * D))
+    K, V = torch.randn(T, Hk, D), torch.randn(T, Hk, D)
+    R = torch.cat([torch.arange(a, b) for a, b in runs])
+    cached = torch.ones(T, dtype=torch.bool)
+    cached[R] = False
+    layout.write_range(cache, block_ids, 0, T, torch.where(cached[:, None, None], K, 0.0), V)  # R's K not yet
+    plan = layout.attention_plan(cache, block_ids, R, 0, T, attn)
+    q = torch.randn(len(R), Hq, D)
+    out = layout.attend(plan, attn, cache, q.view(len(R), -1), K[R].reshape(len(R), -1), V[R].reshape(len(R), -1))
+    ref = _reference_attention(q, K, V, R, attn.impl.scale)
+    assert torch.allclose(out.view(len(R), Hq, D), ref, atol=1e-5)
+    assert torch.equal(layout.read_range(cache, block_ids, 0, T)[0], K)      # R's fresh keys were stored
+
+
+def test_cpu_kernel_attention_is_not_planned_outside_the_links_range_or_for_scattered_picks():
+    layout, attn = CpuAttnLayout("vec"), _FakeAttn(6, 2, 64)
+    cache = torch.zeros((6, 2, 128, 128))
+    R = torch.arange(10, 20)
+    assert layout.attention_plan(cache, [0, 1, 2], R, 12, 300, attn) is None     # would overwrite shared prefix
+    assert layout.attention_plan(cache, [0, 1, 2], R, 0, 15, attn) is None       # beyond the claimed range
+    scattered = torch.arange(0, 2 * (CpuAttnLayout.MAX_KERNEL_RUNS + 1), 2)
+    assert layout.attention_plan(cache, [0, 1, 2], scattered, 0, 300, attn) is None
+    assert FlashAttnLayout().attention_plan(cache, [0, 1, 2], R, 0, 300, attn) is None

@@ -15,6 +15,7 @@ A token at position t of a request lives in slot block_ids[t // N] * N + t % N.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -45,10 +46,32 @@ class KVLayout(ABC):
         """Store k, v: [end-start, H, D] for request positions [start, end). Mutates `cache`."""
         self.write(cache, slots_for(block_ids, torch.arange(start, end), cache.shape[2]).to(cache.device), k, v)
 
+    def read_range_into(self, cache: torch.Tensor, block_ids: list[int], start: int, end: int,
+                        k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """Copy k, v of request positions [start, end) into k_out, v_out: [end-start, H, D]."""
+        k, v = self.read(cache, slots_for(block_ids, torch.arange(start, end), cache.shape[2]).to(cache.device))
+        k_out.copy_(k)
+        v_out.copy_(v)
+
     def read_range(self, cache: torch.Tensor, block_ids: list[int], start: int,
                    end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of k, v: [end-start, H, D] for request positions [start, end)."""
-        return self.read(cache, slots_for(block_ids, torch.arange(start, end), cache.shape[2]).to(cache.device))
+        _, H, _, C = cache.shape
+        k = torch.empty((end - start, H, C // 2), dtype=cache.dtype, device=cache.device)
+        v = torch.empty_like(k)
+        self.read_range_into(cache, block_ids, start, end, k, v)
+        return k, v
+
+    def attention_plan(self, cache: torch.Tensor, block_ids: list[int], R: torch.Tensor, start: int, end: int,
+                       attn: torch.nn.Module) -> object | None:
+        """Metadata to attend the queries at positions R over a request's pages with the backend's own
+        kernel, or None where this layout has no such path (the linker then attends over its buffers)."""
+        return None
+
+    def attend(self, plan: object, attn: torch.nn.Module, cache: torch.Tensor, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k, v at R's slots, then attend q over the pages (see `attention_plan`).  # -> [nR, Hq*D]"""
+        raise NotImplementedError
 
     def self_check(self, like: torch.Tensor) -> None:
         """Write random K/V into a scratch cache shaped like `like` ([B, H, N, 2D]) and read it back."""
@@ -67,10 +90,26 @@ class KVLayout(ABC):
             raise LayoutError(f"KV layout {self.name} wrote outside the addressed blocks")
 
 
+@dataclass(slots=True)
+class CpuAttnPlan:
+    """vLLM CPU attention metadata for R's query runs: each run of consecutive positions [a, b) is one
+    "sequence" of the kernel with keys [0, b), so the kernel's bottom-right causal mask is exactly the
+    linked prompt's mask. All runs share the request's block table."""
+
+    slots: torch.Tensor              # [nR] int64
+    query_start_loc: torch.Tensor    # [runs + 1] int32
+    seq_lens: torch.Tensor           # [runs] int32
+    block_table: torch.Tensor        # [runs, nblocks] int32
+    scheduler_metadata: torch.Tensor
+
+
 class CpuAttnLayout(KVLayout):
     """vLLM CPU_ATTN, ISAs `vec` and `vec16`: per (block, head) K as [D, N] then V as [N, D]."""
 
     READABLE_ISAS = ("vec", "vec16")
+    # Past this many query runs (CacheBlend's scattered picks) the kernel would re-read the whole
+    # prefix once per run; the linker's bucketed attention is cheaper there.
+    MAX_KERNEL_RUNS = 64
 
     def __init__(self, isa: str) -> None:
         if isa not in self.READABLE_ISAS:
@@ -94,48 +133,44 @@ class CpuAttnLayout(KVLayout):
         ops.cpu_attn_reshape_and_cache(k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous(), kc, vc,
                                        slots.to(torch.int64), self.isa, 1.0, 1.0, "auto")
 
+    # Whole blocks are copied one block at a time with strided views: an indexed gather/scatter over
+    # all blocks at once was ~8x slower (measured); partial blocks at either end go through vLLM's op.
+    @staticmethod
+    def _full_blocks(start: int, end: int, N: int) -> tuple[int, int]:
+        """(first, last+1) block index fully inside [start, end)."""
+        return -(-start // N), end // N
+
     def write_range(self, cache, block_ids, start, end, k, v) -> None:
-        # Whole blocks as one strided copy each way (3x faster than the scatter op for 4k tokens); the
-        # partial blocks at either end through vLLM's op. The self-check proves both paths agree.
         N = cache.shape[2]
-        first_full = -(-start // N)              # first block index fully inside [start, end)
-        last_full = end // N                     # one past the last full block
-        if last_full - first_full < 1:
+        first, last = self._full_blocks(start, end, N)
+        if last <= first:
             return super().write_range(cache, block_ids, start, end, k, v)
-        lo, hi = first_full * N, last_full * N
+        lo, hi = first * N, last * N
         if start < lo:
             super().write_range(cache, block_ids, start, lo, k[: lo - start], v[: lo - start])
         if hi < end:
             super().write_range(cache, block_ids, hi, end, k[hi - start:], v[hi - start:])
-        nb, H, D = last_full - first_full, k.shape[1], k.shape[2]
-        bt = torch.as_tensor(block_ids[first_full:last_full], dtype=torch.int64, device=cache.device)
         kview, vview = self._views(cache)
-        kk = k[lo - start: hi - start].to(cache.dtype).reshape(nb, N, H, D)
-        vv = v[lo - start: hi - start].to(cache.dtype).reshape(nb, N, H, D)
-        kview[bt] = kk.permute(0, 2, 3, 1)       # K blocks are [H, D, N]
-        vview[bt] = vv.permute(0, 2, 1, 3)       # V blocks are [H, N, D]
+        for j in range(first, last):
+            t = j * N - start
+            kview[block_ids[j]].copy_(k[t: t + N].permute(1, 2, 0))     # K blocks are [H, D, N]
+            vview[block_ids[j]].copy_(v[t: t + N].permute(1, 0, 2))     # V blocks are [H, N, D]
 
-    def read_range(self, cache, block_ids, start, end):
-        # Whole blocks as one strided gather each (advanced indexing per token was ~15x slower).
+    def read_range_into(self, cache, block_ids, start, end, k_out, v_out) -> None:
         N = cache.shape[2]
-        first_full, last_full = -(-start // N), end // N
-        if last_full - first_full < 1:
-            return super().read_range(cache, block_ids, start, end)
-        lo, hi = first_full * N, last_full * N
-        bt = torch.as_tensor(block_ids[first_full:last_full], dtype=torch.int64, device=cache.device)
-        kview, vview = self._views(cache)
-        H, D = cache.shape[1], cache.shape[3] // 2
-        ks = [kview[bt].permute(0, 3, 1, 2).reshape(-1, H, D)]        # [nb, H, D, N] -> [nb*N, H, D]
-        vs = [vview[bt].permute(0, 2, 1, 3).reshape(-1, H, D)]        # [nb, H, N, D] -> [nb*N, H, D]
+        first, last = self._full_blocks(start, end, N)
+        if last <= first:
+            return super().read_range_into(cache, block_ids, start, end, k_out, v_out)
+        lo, hi = first * N, last * N
         if start < lo:
-            k0, v0 = super().read_range(cache, block_ids, start, lo)
-            ks.insert(0, k0)
-            vs.insert(0, v0)
+            super().read_range_into(cache, block_ids, start, lo, k_out[: lo - start], v_out[: lo - start])
         if hi < end:
-            k1, v1 = super().read_range(cache, block_ids, hi, end)
-            ks.append(k1)
-            vs.append(v1)
-        return torch.cat(ks), torch.cat(vs)
+            super().read_range_into(cache, block_ids, hi, end, k_out[hi - start:], v_out[hi - start:])
+        kview, vview = self._views(cache)
+        for j in range(first, last):
+            t = j * N - start
+            k_out[t: t + N].copy_(kview[block_ids[j]].permute(2, 0, 1))   # [H, D, N] -> [N, H, D]
+            v_out[t: t + N].copy_(vview[block_ids[j]].permute(1, 0, 2))   # [H, N, D] -> [N, H, D]
 
     def self_check(self, like: torch.Tensor) -> None:
         super().self_check(like)
@@ -153,6 +188,45 @@ class CpuAttnLayout(KVLayout):
         rk, rv = self.read_range(a, [4, 1, 3, 2], 5, 3 * N - 2)
         if not (torch.equal(rk, k) and torch.equal(rv, v)):
             raise LayoutError(f"KV layout {self.name}: block reads differ from what was written")
+
+    def attention_plan(self, cache, block_ids, R, start, end, attn):
+        from vllm import _custom_ops as ops
+        import vllm.envs as envs
+
+        # Only positions this link owns may be written: [start, end) (below start are shared prefix blocks).
+        if len(R) == 0 or int(R[0]) < start or int(R[-1]) >= end:
+            return None
+        brk = torch.nonzero(R[1:] != R[:-1] + 1).flatten().add(1)
+        ends = torch.cat([brk, torch.tensor([len(R)], device=R.device)])               # [runs]
+        if len(ends) > self.MAX_KERNEL_RUNS:
+            return None
+        qsl = torch.cat([torch.zeros(1, dtype=torch.int32), ends.to(torch.int32).cpu()])
+        seq_lens = (R[ends - 1] + 1).to(torch.int32).cpu()
+        N = cache.shape[2]
+        nblk = -(-int(seq_lens[-1]) // N)
+        bt = torch.as_tensor(block_ids[:nblk], dtype=torch.int32).expand(len(ends), nblk).contiguous()
+        sched = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(ends), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_size, seq_lens=seq_lens, dtype=cache.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=self.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
+        return CpuAttnPlan(slots_for(block_ids, R.cpu(), N), qsl, seq_lens, bt, sched)
+
+    def attend(self, plan, attn, cache, q, k, v):
+        from vllm import _custom_ops as ops
+
+        impl = attn.impl
+        B, H, N, C = cache.shape
+        kc, vc = cache.view(B, H, 2 * N, C // 2).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k.reshape(-1, H, C // 2).contiguous(), v.reshape(-1, H, C // 2).contiguous(),
+                                       kc, vc, plan.slots, self.isa, 1.0, 1.0, "auto")
+        q = q.reshape(len(plan.slots), attn.num_heads, attn.head_size).contiguous()
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=plan.query_start_loc,
+            seq_lens=plan.seq_lens, scale=impl.scale, causal=True, alibi_slopes=impl.alibi_slopes,
+            sliding_window=-1, block_table=plan.block_table, softcap=impl.logits_soft_cap,
+            scheduler_metadata=plan.scheduler_metadata, s_aux=impl.sinks)
+        return out.view(len(plan.slots), -1)
 
     def read(self, cache, slots):
         N = cache.shape[2]

