@@ -28,7 +28,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from epic_rag import EngineConfig, EpicEngine, RagRequest
-    from epic_rag.bench.latency import corpus_chunks
+    from epic_rag.bench.latency import compile_for, corpus_chunks
 
     engine = EpicEngine(EngineConfig(model="smollm2-135m-instruct", dtype="float32", max_model_len=8192,
                                      kv_cache_gib=4, max_num_seqs=16))
@@ -55,8 +55,7 @@ def main() -> None:
             ev.wait()
         prefill_tps.append(sum(len(t) for t in ids) / (time.perf_counter() - t0))
 
-    engine.compile(chunks)
-    engine.compile(chunks, policy="legolink-0")
+    compile_for(engine, chunks, args.policies)
     rng = random.Random(0)
     orders = [rng.sample(chunks, len(chunks)) for _ in range(args.reps)]
     # warm-up (and prefix-cache warm-up with another order)

@@ -7,8 +7,11 @@ from typing import Literal
 
 Kind = Literal["full", "prefix", "naive", "legolink", "cacheblend"]
 
-# LegoLink-0 compiles every chunk behind this many dummy tokens and drops their KV (EPIC's reference
-# prepends 3 BOS tokens). Other policies compile chunks bare, from position 0.
+# LegoLink compiles every chunk behind this many dummy (BOS) tokens and drops their KV: the chunk's own
+# tokens are then computed against a real attention sink, as after the prompt's first token in a full
+# prefill, instead of making the chunk's first word the sink. EPIC's reference keeps each chunk's BOS
+# for the same reason (and its LegoLink-0 prepends 3 BOS). Naive and CacheBlend link chunks compiled
+# bare, from position 0, as those baselines do.
 DUMMY_PREFIX_LEN = 3
 
 
@@ -26,8 +29,9 @@ class Policy:
 
     @property
     def compile_variant(self) -> str:
-        """Which compiled form of a chunk this policy links (part of the chunk key)."""
-        if self.kind == "legolink" and self.k == 0:
+        """Which compiled form of a chunk this policy links (part of the chunk key). Every legolink-k
+        links the same one, so a corpus compiled once serves any k."""
+        if self.kind == "legolink":
             return f"dummy{DUMMY_PREFIX_LEN}"
         return "plain"
 

@@ -74,11 +74,14 @@ def test_linked_kv_never_served_to_exact_requests(tiny_engine):
     assert again.token_ids == first_full.token_ids
 
 
-def test_legolink0_compiles_a_separate_variant(tiny_engine):
+def test_every_legolink_k_shares_the_sink_compiled_form_and_baselines_link_bare_chunks(tiny_engine):
     g = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-0")
     assert all(k.startswith("dummy3-") for k in g.chunk_keys)
-    g2 = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-0")
-    assert g2.chunk_misses == 0
+    for pol in ("legolink-2", "legolink-16"):       # one compile serves every k
+        g2 = tiny_engine.generate(_req(), max_tokens=4, policy=pol)
+        assert g2.chunk_misses == 0 and g2.chunk_keys == g.chunk_keys
+    for pol in ("naive", "cacheblend-15"):
+        assert all(k.startswith("plain-") for k in tiny_engine.generate(_req(), max_tokens=4, policy=pol).chunk_keys)
 
 
 def test_cacheblend_recomputes_a_fraction_of_chunk_tokens(tiny_engine):

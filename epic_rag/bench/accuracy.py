@@ -9,6 +9,7 @@ from pathlib import Path
 from ..prompt import render_request
 from ..types import RagRequest
 from .datasets import Sample, multidoc_samples, needle_samples
+from .latency import compile_for
 from .metrics import first_line, rouge_l, substring_match, token_f1
 
 ACCURACY_POLICIES = ["full", "prefix", "naive", "cacheblend-5", "cacheblend-15", "legolink-0", "legolink-2",
@@ -51,10 +52,7 @@ def run_accuracy(engine, samples: list[Sample], policies: list[str], out: Path, 
             pols = [p for p in policies if (s.id, p) not in done]
             if not pols:
                 continue
-            # Compile outside the timed generations (both compile variants), as a corpus would be.
-            engine.compile(s.chunks)
-            if any(p == "legolink-0" for p in pols):
-                engine.compile(s.chunks, policy="legolink-0")
+            compile_for(engine, list(s.chunks), pols)   # outside the timed generations, as a corpus would be
             segs = sample_segments(engine.tokenizer, s)
             for p in pols:
                 g = engine.generate(segs, max_tokens=max_tokens, temperature=0.0, policy=p)

@@ -1,16 +1,16 @@
 """LegoLink linker: assemble a request's KV from compiled chunks and recompute a few tokens.
 
-Runs on the worker, inside vLLM's step, before the forward. For each layer it:
-1. fills a K/V buffer for positions [0, T) with every linked chunk's cached KV, keys rotated to their
-   real positions;
-2. runs the model's own decoder layer on the hidden states of the recompute set R only, with its
-   attention module swapped for `_LinkAttention`, which writes R's fresh K/V into the buffer and attends
-   over the buffer with a position-causal mask (architecture details stay in vLLM's model code);
-3. writes the buffer's [start, end) into vLLM's paged cache through the layout accessor.
+Runs on the worker, inside vLLM's step, before the forward. It fills a K/V buffer for positions [0, T)
+with every linked chunk's cached KV, keys rotated to their real positions; then for each layer it runs
+the model's own decoder layer on the hidden states of the recompute set R only, with the attention
+module swapped for `_LinkAttention` (architecture details stay in vLLM's model code). The shim either
+writes R's fresh K/V into the paged cache (already holding the layer's cached KV) and attends with the
+backend's own kernel, or, where the layout offers no kernel path, attends over the buffer with a
+position-causal mask, the buffer being written into the pages after the layer.
 
 Recompute sets (R always holds every token without a cache: template glue, system prompt):
-- naive: nothing else;  legolink-k: the first k tokens of each chunk;  legolink-0: nothing else
-  (chunks were compiled behind dummy tokens);
+- naive: nothing else;  legolink-k: the first k tokens of each chunk (chunks compiled behind dummy
+  sink tokens, see policy.py);  legolink-0: nothing else;
 - cacheblend-r: every token through layers 0..CHECK_LAYER; at CHECK_LAYER the chunk tokens whose
   *keys* deviate most from the cache (L2 over heads and dims, after re-rotation: LMCache's rule)
   are kept, the top r fraction, and only they (plus uncached tokens) are recomputed in later layers.
