@@ -15,6 +15,7 @@ from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnablePassthrough  # noqa: E402
 from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
 
+from _langchain_flags import ChatEpicFlags  # noqa: E402
 from epic_rag.integrations import STAT_KEYS, set_shared_engine  # noqa: E402
 from epic_rag.integrations.langchain import ChatEpic, compile_documents, create_epic_rag_chain  # noqa: E402
 
@@ -31,39 +32,10 @@ def _share_smol_engine(smol_engine):
     yield
 
 
-class TestChatEpicIntegration(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self) -> type[ChatEpic]:
-        return ChatEpic
-
+class TestChatEpicIntegration(ChatEpicFlags, ChatModelIntegrationTests):
     @property
     def chat_model_params(self) -> dict:
         return {"model": "smollm2-135m-instruct", "max_tokens": 12}
-
-    # Not features of this model: declared through the suite's flags, not faked.
-    @property
-    def has_tool_calling(self) -> bool:
-        return False
-
-    @property
-    def has_structured_output(self) -> bool:
-        return False
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return False
-
-    @property
-    def supports_image_inputs(self) -> bool:
-        return False
-
-    @property
-    def supports_model_override(self) -> bool:
-        return False  # one engine serves one model; a different per-call model raises
-
-    @property
-    def returns_usage_metadata(self) -> bool:
-        return True
 
     @property
     def supported_usage_metadata_details(self) -> dict:

@@ -8,38 +8,14 @@ pytest.importorskip("langchain_tests")
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage  # noqa: E402
 from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
 
+from _langchain_flags import ChatEpicFlags  # noqa: E402
 from epic_rag.integrations.langchain import ChatEpic  # noqa: E402
 
 
-class TestChatEpicUnit(ChatModelUnitTests):
-    @property
-    def chat_model_class(self) -> type[ChatEpic]:
-        return ChatEpic
-
+class TestChatEpicUnit(ChatEpicFlags, ChatModelUnitTests):
     @property
     def chat_model_params(self) -> dict:
         return {"model": "smollm2-135m-instruct"}
-
-    # Features the model does not have are declared, not faked.
-    @property
-    def has_tool_calling(self) -> bool:
-        return False
-
-    @property
-    def has_structured_output(self) -> bool:
-        return False
-
-    @property
-    def supports_image_inputs(self) -> bool:
-        return False
-
-    @property
-    def returns_usage_metadata(self) -> bool:
-        return True
-
-    @property
-    def supports_model_override(self) -> bool:
-        return False  # one engine serves one model
 
 
 def test_chat_epic_construction_starts_no_engine():
