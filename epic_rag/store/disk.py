@@ -192,27 +192,32 @@ class DiskStore(ChunkStore):
             self._evict()
 
     # ------------------------------------------------------------------ budget
+    def _stats(self):
+        """(entry, stat) for every file in the folder that can still be stat'ed (the folder may be shared)."""
+        try:
+            it = os.scandir(self.root)
+        except OSError:
+            return
+        with it:
+            for e in it:
+                try:
+                    yield e, e.stat()
+                except OSError:
+                    continue
+
     def _scan(self) -> list[tuple[float, int, str]]:
         """(mtime, size, path) of every entry in the folder (all quant namespaces); removes stale temp files."""
         out = []
         now = time.time()
-        try:
-            it = os.scandir(self.root)
-        except OSError:
-            return out
-        with it:
-            for e in it:
-                try:
-                    if e.name.startswith(_TMP):
-                        if now - e.stat().st_mtime > _STALE_TMP_S:  # left by a crashed writer
-                            os.unlink(e.path)
-                        continue
-                    if e.name.startswith(".") or not e.name.endswith(SUFFIX):
-                        continue
-                    st = e.stat()
-                    out.append((st.st_mtime, st.st_size, e.path))
-                except OSError:
-                    continue
+        for e, st in self._stats():
+            if e.name.startswith(_TMP):
+                if now - st.st_mtime > _STALE_TMP_S:  # left by a crashed writer
+                    try:
+                        os.unlink(e.path)
+                    except OSError:
+                        pass
+            elif not e.name.startswith(".") and e.name.endswith(SUFFIX):
+                out.append((st.st_mtime, st.st_size, e.path))
         return out
 
     def refresh(self) -> None:
@@ -255,21 +260,7 @@ class DiskStore(ChunkStore):
 
     # ------------------------------------------------------------------ listing
     def usage(self) -> dict[str, int]:
-        out = {}
-        try:
-            it = os.scandir(self.root)
-        except OSError:
-            return out
-        with it:
-            for e in it:
-                key = self._key_of(e.name)
-                if key is None:
-                    continue
-                try:
-                    out[key] = e.stat().st_size
-                except OSError:
-                    continue
-        return out
+        return {key: st.st_size for e, st in self._stats() if (key := self._key_of(e.name)) is not None}
 
     def keys(self) -> list[str]:
         return list(self.usage())
