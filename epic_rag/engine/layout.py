@@ -136,37 +136,30 @@ class CpuAttnLayout(KVLayout):
     # Whole blocks are copied one block at a time with strided views: an indexed gather/scatter over
     # all blocks at once was ~8x slower (measured); partial blocks at either end go through vLLM's op.
     @staticmethod
-    def _full_blocks(start: int, end: int, N: int) -> tuple[int, int]:
-        """(first, last+1) block index fully inside [start, end)."""
-        return -(-start // N), end // N
+    def _split(start: int, end: int, N: int) -> tuple[list[tuple[int, int]], int, int]:
+        """Partial-block ranges at either end of [start, end), and the whole blocks [first, last) between."""
+        first, last = -(-start // N), end // N
+        if last <= first:
+            return [(start, end)], first, first
+        return [(a, b) for a, b in ((start, first * N), (last * N, end)) if a < b], first, last
 
     def write_range(self, cache, block_ids, start, end, k, v) -> None:
-        N = cache.shape[2]
-        first, last = self._full_blocks(start, end, N)
-        if last <= first:
-            return super().write_range(cache, block_ids, start, end, k, v)
-        lo, hi = first * N, last * N
-        if start < lo:
-            super().write_range(cache, block_ids, start, lo, k[: lo - start], v[: lo - start])
-        if hi < end:
-            super().write_range(cache, block_ids, hi, end, k[hi - start:], v[hi - start:])
+        edges, first, last = self._split(start, end, cache.shape[2])
+        for a, b in edges:
+            super().write_range(cache, block_ids, a, b, k[a - start: b - start], v[a - start: b - start])
         kview, vview = self._views(cache)
+        N = cache.shape[2]
         for j in range(first, last):
             t = j * N - start
             kview[block_ids[j]].copy_(k[t: t + N].permute(1, 2, 0))     # K blocks are [H, D, N]
             vview[block_ids[j]].copy_(v[t: t + N].permute(1, 0, 2))     # V blocks are [H, N, D]
 
     def read_range_into(self, cache, block_ids, start, end, k_out, v_out) -> None:
-        N = cache.shape[2]
-        first, last = self._full_blocks(start, end, N)
-        if last <= first:
-            return super().read_range_into(cache, block_ids, start, end, k_out, v_out)
-        lo, hi = first * N, last * N
-        if start < lo:
-            super().read_range_into(cache, block_ids, start, lo, k_out[: lo - start], v_out[: lo - start])
-        if hi < end:
-            super().read_range_into(cache, block_ids, hi, end, k_out[hi - start:], v_out[hi - start:])
+        edges, first, last = self._split(start, end, cache.shape[2])
+        for a, b in edges:
+            super().read_range_into(cache, block_ids, a, b, k_out[a - start: b - start], v_out[a - start: b - start])
         kview, vview = self._views(cache)
+        N = cache.shape[2]
         for j in range(first, last):
             t = j * N - start
             k_out[t: t + N].copy_(kview[block_ids[j]].permute(2, 0, 1))   # [H, D, N] -> [N, H, D]
