@@ -149,19 +149,8 @@ class EpicLLM(CustomLLM):
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        events = self.engine.stream_events(self._completion_request(prompt, formatted),
-                                           **self._gen_kwargs(kwargs))
-
-        def gen() -> CompletionResponseGen:
-            text = ""
-            for ev in events:
-                if isinstance(ev, Delta):
-                    text += ev.text
-                    yield CompletionResponse(text=text, delta=ev.text)
-                elif isinstance(ev, Generation):
-                    yield CompletionResponse(text=ev.text, delta="", additional_kwargs=generation_stats(ev))
-
-        return gen()
+        return _stream(self.engine.stream_events(self._completion_request(prompt, formatted),
+                                                 **self._gen_kwargs(kwargs)), _as_completion)
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -173,18 +162,7 @@ class EpicLLM(CustomLLM):
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
         req = self._completion_request(prompt, formatted)
-        events = self.engine.astream_events(req, **self._gen_kwargs(kwargs))
-
-        async def gen() -> CompletionResponseAsyncGen:
-            text = ""
-            async for ev in events:
-                if isinstance(ev, Delta):
-                    text += ev.text
-                    yield CompletionResponse(text=text, delta=ev.text)
-                elif isinstance(ev, Generation):
-                    yield CompletionResponse(text=ev.text, delta="", additional_kwargs=generation_stats(ev))
-
-        return gen()
+        return _astream(self.engine.astream_events(req, **self._gen_kwargs(kwargs)), _as_completion)
 
     # ------------------------------------------------------------------ chat
     @llm_chat_callback()
@@ -195,20 +173,7 @@ class EpicLLM(CustomLLM):
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        events = self.engine.stream_events(self._chat_request(messages), **self._gen_kwargs(kwargs))
-
-        def gen() -> ChatResponseGen:
-            text = ""
-            for ev in events:
-                if isinstance(ev, Delta):
-                    text += ev.text
-                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                                       delta=ev.text)
-                elif isinstance(ev, Generation):
-                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=ev.text),
-                                       delta="", additional_kwargs=generation_stats(ev))
-
-        return gen()
+        return _stream(self.engine.stream_events(self._chat_request(messages), **self._gen_kwargs(kwargs)), _as_chat)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -220,20 +185,46 @@ class EpicLLM(CustomLLM):
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         req = self._chat_request(messages)
-        events = self.engine.astream_events(req, **self._gen_kwargs(kwargs))
+        return _astream(self.engine.astream_events(req, **self._gen_kwargs(kwargs)), _as_chat)
 
-        async def gen() -> ChatResponseAsyncGen:
-            text = ""
-            async for ev in events:
-                if isinstance(ev, Delta):
-                    text += ev.text
-                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                                       delta=ev.text)
-                elif isinstance(ev, Generation):
-                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=ev.text),
-                                       delta="", additional_kwargs=generation_stats(ev))
 
-        return gen()
+# Engine stream events -> LlamaIndex responses carrying the text so far (sync and async share the steps).
+def _pieces():
+    """A function turning one event into (text so far, delta, stats or None), or None to skip it."""
+    text = ""
+
+    def step(ev):
+        nonlocal text
+        if isinstance(ev, Delta):
+            text += ev.text
+            return text, ev.text, None
+        if isinstance(ev, Generation):
+            return ev.text, "", generation_stats(ev)
+        return None
+    return step
+
+
+def _as_completion(text: str, delta: str, stats: dict | None) -> CompletionResponse:
+    return CompletionResponse(text=text, delta=delta, additional_kwargs=stats or {})
+
+
+def _as_chat(text: str, delta: str, stats: dict | None) -> ChatResponse:
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
+                        additional_kwargs=stats or {})
+
+
+def _stream(events, make):
+    step = _pieces()
+    for ev in events:
+        if (piece := step(ev)) is not None:
+            yield make(*piece)
+
+
+async def _astream(events, make):
+    step = _pieces()
+    async for ev in events:
+        if (piece := step(ev)) is not None:
+            yield make(*piece)
 
 
 class EpicChunkCompiler(TransformComponent):
