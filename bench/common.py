@@ -20,8 +20,8 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def write(name: str, data: dict, markdown: str) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text(markdown)
+def write(name: str, data: dict, markdown: str, out: Path = RESULTS) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown)
     print(markdown)

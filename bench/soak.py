@@ -40,8 +40,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+from common import RESULTS, machine, write  # bench/ is the script's folder (and on the tests' path)
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 KEY = "soak-key"
 
 # ---------------------------------------------------------------------- corpus and questions
@@ -389,12 +390,6 @@ def soak_markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _machine() -> dict:
-    from epic_rag.bench.report import machine
-
-    return machine()
-
-
 def _load_note() -> str:
     try:
         la = os.getloadavg()
@@ -432,7 +427,7 @@ def cmd_soak(args) -> int:
         "command": " ".join([".venv/bin/python", "bench/soak.py"] + sys.argv[1:]),
         "server_cmd": ["epic-rag"] + server.cmd[1:3] + ["<corpus>", "--data-dir", "<tmp>", "--port", "<free>",
                                                          "--api-key", "<key>", "--no-browser-needed"],
-        "machine": _machine(), "machine_note": note,
+        "machine": machine(), "machine_note": note,
         "config": {"concurrency": args.concurrency, "duration_s": args.duration, "max_tokens": args.max_tokens,
                    "warmup_s": args.warmup, "seed": args.seed, "documents": len(docs), "chunks": st["chunks"],
                    "ingest_s": round(ingest_s, 1), "kinds": dict(KINDS), "policies": dict(POLICIES)},
@@ -440,12 +435,7 @@ def cmd_soak(args) -> int:
         "rss_timeline": load["rss"][::step], "store_timeline": load["probes"],
         "records": load["records"],
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "soak.json").write_text(json.dumps(data, indent=1) + "\n")
-    md = soak_markdown(data)
-    (out / "soak.md").write_text(md)
-    print(md)
+    write("soak", data, soak_markdown(data), Path(args.out))
     return 1 if summary["errors"] else 0
 
 
@@ -568,15 +558,10 @@ def cmd_fuzz(args) -> int:
     rep = json.loads(report.read_text())
     data = {"command": " ".join([".venv/bin/python", "bench/soak.py"] + sys.argv[1:]),
             "st_command": " ".join(["st"] + cmd[1:]).replace(KEY, "<key>").replace(server.url, "http://127.0.0.1:<port>"),
-            "machine": _machine(), "documents": len(docs), "max_examples": args.max_examples, "exit_code": r.returncode,
+            "machine": machine(), "documents": len(docs), "max_examples": args.max_examples, "exit_code": r.returncode,
             "alive_after": alive, "rss_before_mib": _mib(rss_before), "rss_after_mib": _mib(rss_after),
             "summary": summarize_fuzz_report(rep)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fuzz.json").write_text(json.dumps(data, indent=1) + "\n")
-    md = fuzz_markdown(data)
-    (out / "fuzz.md").write_text(md)
-    print(md)
+    write("fuzz", data, fuzz_markdown(data), Path(args.out))
     return 0 if (r.returncode == 0 and alive) else 1
 
 
