@@ -22,7 +22,9 @@ import struct
 import torch
 from safetensors.torch import save as st_save
 
-from .base import QUANTS, ChunkKV
+from collections.abc import Callable
+
+from .base import QUANTS, ChunkKV, ChunkStore
 
 FORMAT = "epic-chunk-kv/1"
 _MAX_HEADER = 1 << 20
@@ -226,3 +228,17 @@ def decode(buf: bytes | bytearray | memoryview, key: str, quant: str = "none") -
             if end > begin else torch.empty(0, dtype=dt)
         tensors[name] = t.view(shape)
     return unpack(meta, tensors, key, quant)
+
+
+def encode_for_tier(tier: ChunkStore, kv: ChunkKV, report: Callable[[str], None]) -> bytes | None:
+    """kv serialised in `tier.quant` for a shared tier, or None when it must not or cannot go there:
+    lossy values never enter an exact tier; a value that cannot be encoded is counted and reported."""
+    if kv.quant != "none" and tier.quant == "none":
+        return None
+    try:
+        return encode(kv, tier.quant)
+    except ValueError as e:
+        with tier._lock:
+            tier.stats.errors += 1
+        report(f"not storing chunk {kv.key}: {e}")
+        return None

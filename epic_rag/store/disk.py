@@ -141,15 +141,9 @@ class DiskStore(ChunkStore):
     # ------------------------------------------------------------------ write
     def put(self, kv: ChunkKV) -> None:
         check_key(kv.key)
-        if kv.quant != "none" and self.quant == "none":
-            return  # lossy values never enter an exact shared tier
         t0 = time.perf_counter()
-        try:
-            data = codec.encode(kv, self.quant)
-        except ValueError as e:
-            with self._lock:
-                self.stats.errors += 1
-            self._log_error("encode", f"disk tier {self.root}: not storing chunk {kv.key}: {e}")
+        data = codec.encode_for_tier(self, kv, lambda m: self._log_error("encode", f"disk tier {self.root}: {m}"))
+        if data is None:
             return
         if self.max_bytes is not None and len(data) > self.max_bytes:
             return  # larger than the whole budget

@@ -155,19 +155,13 @@ class RedisStore(ChunkStore):
 
     def put(self, kv: ChunkKV) -> None:
         rkey = self._rkey(kv.key)
-        if kv.quant != "none" and self.quant == "none":
-            return  # lossy values never enter an exact shared tier
         with self._lock:
             down = self._down_until is not None and time.monotonic() < self._down_until
         if down:
             return  # skipped while down: do not even encode
         t0 = time.perf_counter()
-        try:
-            data = codec.encode(kv, self.quant)
-        except ValueError as e:
-            with self._lock:
-                self.stats.errors += 1
-            log.error("redis tier: not storing chunk %s: %s", kv.key, e)
+        data = codec.encode_for_tier(self, kv, lambda m: log.error("redis tier: %s", m))
+        if data is None:
             return
         px = int(self.ttl * 1000) if self.ttl else None
         if self._call(lambda c: c.set(rkey, data, px=px), write=True) is _SKIP:
