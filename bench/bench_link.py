@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -29,6 +30,7 @@ def main() -> None:
 
     from epic_rag import EngineConfig, EpicEngine, RagRequest
     from epic_rag.bench.latency import compile_for, corpus_chunks
+    from epic_rag.engine.engine import _event_sink
 
     engine = EpicEngine(EngineConfig(model="smollm2-135m-instruct", dtype="float32", max_model_len=8192,
                                      kv_cache_gib=4, max_num_seqs=16))
@@ -43,14 +45,12 @@ def main() -> None:
         t0 = time.perf_counter()
         refs = engine.compile(fresh)
         compile_tps.append(sum(x.num_tokens for x in refs) / (time.perf_counter() - t0))
-        import threading
         fresh2 = corpus_chunks(engine.tokenizer, n, T, offset=(r + 4) * n)
         ids = [engine.tokenizer.encode(t, add_special_tokens=False) for t in fresh2]
         done = [threading.Event() for _ in ids]
         t0 = time.perf_counter()
-        for i, tok in enumerate(ids):   # plain prefill of the same amount of tokens, one request per chunk
-            engine._submit(tok, 1, 0.0, uuid.uuid4().hex, None,
-                           (lambda ev: (lambda d: ev.set() if isinstance(d, BaseException) or d.finished else None))(done[i]))
+        for tok, ev in zip(ids, done):   # plain prefill of the same amount of tokens, one request per chunk
+            engine._submit(tok, 1, 0.0, uuid.uuid4().hex, None, _event_sink(ev))
         for ev in done:
             ev.wait()
         prefill_tps.append(sum(len(t) for t in ids) / (time.perf_counter() - t0))
