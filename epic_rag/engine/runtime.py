@@ -60,16 +60,6 @@ class Runtime:
         self._inbox.put(("abort", req_id))
         self._wake.set()
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn on the engine thread between steps (for engine-core calls) and return its result."""
-        box: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._inbox.put(("call", (fn, box)))
-        self._wake.set()
-        ok, val = box.get()
-        if not ok:
-            raise val
-        return val
-
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
@@ -88,15 +78,8 @@ class Runtime:
                     self._sinks[item.req_id] = item.sink
                 except BaseException as e:  # bad request: tell the caller, keep serving
                     item.sink(e)
-            elif item[0] == "abort":
-                if self._sinks.pop(item[1], None) is not None:
-                    self.llm.abort_request([item[1]])
-            elif item[0] == "call":
-                fn, box = item[1]
-                try:
-                    box.put((True, fn()))
-                except BaseException as e:
-                    box.put((False, e))
+            elif self._sinks.pop(item[1], None) is not None:   # ("abort", req_id)
+                self.llm.abort_request([item[1]])
 
     def _loop(self) -> None:
         while not self._stop:
