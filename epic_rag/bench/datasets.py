@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -22,9 +22,6 @@ class Sample:
     answer: str
     answer_prefix: str = ""          # text the assistant turn starts with (steers a small model)
     meta: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def essays_text() -> str:
