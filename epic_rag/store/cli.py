@@ -67,8 +67,6 @@ def cmd_clear(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    if "store" in subparsers.choices:  # registered already (epic_rag.cli.main called twice in one process)
-        return
     p = subparsers.add_parser("store", help="inspect, verify or clear a chunk KV store",
                               description=__doc__)
     sub = p.add_subparsers(dest="store_cmd", required=True)
