@@ -15,6 +15,12 @@ _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 QUANTS = ("none", "int8")
 
 
+def check_quant(quant: str) -> str:
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+    return quant
+
+
 def check_key(key: str) -> str:
     if not isinstance(key, str) or not _KEY.fullmatch(key):
         raise ValueError(f"invalid chunk key {key!r}: expected 1-200 characters of [A-Za-z0-9._-], "
@@ -45,8 +51,7 @@ class ChunkKV:
             raise ValueError(f"KV holds {self.k.shape[1]} tokens but token_ids has {len(self.token_ids)}")
         if self.k.dtype != self.v.dtype:
             raise ValueError("k and v must share a dtype")
-        if self.quant not in QUANTS:
-            raise ValueError(f"quant must be one of {QUANTS}, got {self.quant!r}")
+        check_quant(self.quant)
 
     @property
     def num_tokens(self) -> int:

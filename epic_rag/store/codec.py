@@ -24,7 +24,7 @@ from safetensors.torch import save as st_save
 
 from collections.abc import Callable
 
-from .base import QUANTS, ChunkKV, ChunkStore
+from .base import ChunkKV, ChunkStore, check_quant
 
 FORMAT = "epic-chunk-kv/1"
 _MAX_HEADER = 1 << 20
@@ -47,6 +47,13 @@ def storage_suffix(quant: str) -> str:
     return "" if quant == "none" else f"@{quant}"
 
 
+def key_in_namespace(stem: str, suffix: str) -> str | None:
+    """The chunk key of a stored name stem (suffix included) if it belongs to this namespace, else None."""
+    if suffix:
+        return stem[: -len(suffix)] if stem.endswith(suffix) else None
+    return None if "@" in stem else stem
+
+
 # --------------------------------------------------------------------------- int8 packing
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token-per-head absmax: x [L, T, H, D] -> (q int8 [L, T, H, D], scale float32 [L, T, H, 1]).
@@ -67,8 +74,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 # --------------------------------------------------------------------------- pack / unpack (no bytes)
 def pack(kv: ChunkKV, quant: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """The header and tensors of an entry, in the tier's quant mode (tensors contiguous, on CPU)."""
-    if quant not in QUANTS:
-        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+    check_quant(quant)
     dtype = _TORCH_TO_NAME.get(kv.k.dtype)
     if dtype is None:
         raise ValueError(f"unsupported KV dtype {kv.k.dtype}; expected one of {sorted(_KV_DTYPES)}")

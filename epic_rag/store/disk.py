@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from . import codec
-from .base import QUANTS, ChunkKV, ChunkStore, check_key
+from .base import ChunkKV, ChunkStore, check_key, check_quant
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,7 @@ class DiskStore(ChunkStore):
     def __init__(self, root: str | os.PathLike, max_bytes: int | None = None, quant: str = "none",
                  fsync: bool = False) -> None:
         super().__init__()
-        if quant not in QUANTS:
-            raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+        check_quant(quant)
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError("disk store budget must be positive")
         self.root = Path(root).expanduser().absolute()
@@ -64,10 +63,7 @@ class DiskStore(ChunkStore):
     def _key_of(self, name: str) -> str | None:
         if name.startswith(".") or not name.endswith(SUFFIX):
             return None
-        stem = name[: -len(SUFFIX)]
-        if self._tag:
-            return stem[: -len(self._tag)] if stem.endswith(self._tag) else None
-        return None if "@" in stem else stem
+        return codec.key_in_namespace(name[: -len(SUFFIX)], self._tag)
 
     def _log_error(self, kind: str, msg: str) -> None:
         """Log an error at most once a minute per kind (a full disk must not flood the log)."""

@@ -8,7 +8,7 @@ from collections import OrderedDict
 import torch
 
 from . import codec
-from .base import QUANTS, ChunkKV, ChunkStore, check_key
+from .base import ChunkKV, ChunkStore, check_key, check_quant
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +22,7 @@ class MemoryStore(ChunkStore):
         super().__init__()
         if max_bytes <= 0:
             raise ValueError("memory store budget must be positive")
-        if quant not in QUANTS:
-            raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+        check_quant(quant)
         self.max_bytes = max_bytes
         self.quant = quant
         # key -> ChunkKV (exact) or (header, packed tensors) (int8); sizes in _sizes

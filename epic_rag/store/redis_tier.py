@@ -14,7 +14,7 @@ import time
 from urllib.parse import urlsplit, urlunsplit
 
 from . import codec
-from .base import QUANTS, ChunkKV, ChunkStore, check_key
+from .base import ChunkKV, ChunkStore, check_key, check_quant
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,7 @@ class RedisStore(ChunkStore):
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        if quant not in QUANTS:
-            raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+        check_quant(quant)
         if ttl is not None and ttl <= 0:
             raise ValueError("redis ttl must be positive (seconds)")
         if timeout <= 0 or retry_s < 0:
@@ -116,10 +115,7 @@ class RedisStore(ChunkStore):
         return f"{self.prefix}{check_key(key)}{self._tag}"
 
     def _key_of(self, rkey: bytes) -> str | None:
-        name = rkey.decode("utf-8", "replace")[len(self.prefix):]
-        if self._tag:
-            return name[: -len(self._tag)] if name.endswith(self._tag) else None
-        return None if "@" in name else name
+        return codec.key_in_namespace(rkey.decode("utf-8", "replace")[len(self.prefix):], self._tag)
 
     def _scan(self) -> list[bytes]:
         pattern = "".join("\\" + ch if ch in "*?[]\\" else ch for ch in self.prefix) + "*"
