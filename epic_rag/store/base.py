@@ -1,6 +1,7 @@
 """The chunk KV store contract: what a tier must do, and the KV record it holds."""
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -108,6 +109,18 @@ class ChunkStore(ABC):
     def __init__(self) -> None:
         self.stats = TierStats()
         self._lock = threading.RLock()
+        self._last_log: dict[str, float] = {}
+
+    def _log_error(self, kind: str, msg: str, *args) -> None:
+        """Log an error at most once a minute per kind (a full disk or a read-only replica must not flood
+        the log); repeats go to DEBUG. Logged under the tier's own module."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last_log.get(kind)
+            loud = last is None or now - last > 60.0
+            if loud:
+                self._last_log[kind] = now
+        logging.getLogger(type(self).__module__).log(logging.ERROR if loud else logging.DEBUG, msg, *args)
 
     @abstractmethod
     def get(self, key: str) -> ChunkKV | None:

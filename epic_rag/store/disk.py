@@ -45,7 +45,6 @@ class DiskStore(ChunkStore):
         self._approx_bytes = 0
         self._last_scan = 0.0
         self._evict_lock = threading.Lock()
-        self._last_log: dict[str, float] = {}
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -64,16 +63,6 @@ class DiskStore(ChunkStore):
         if name.startswith(".") or not name.endswith(SUFFIX):
             return None
         return codec.key_in_namespace(name[: -len(SUFFIX)], self._tag)
-
-    def _log_error(self, kind: str, msg: str) -> None:
-        """Log an error at most once a minute per kind (a full disk must not flood the log)."""
-        now = time.monotonic()
-        with self._lock:
-            last = self._last_log.get(kind)
-            loud = last is None or now - last > 60.0
-            if loud:
-                self._last_log[kind] = now
-        log.log(logging.ERROR if loud else logging.DEBUG, msg)
 
     # ------------------------------------------------------------------ read
     def get(self, key: str) -> ChunkKV | None:

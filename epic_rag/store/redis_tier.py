@@ -61,7 +61,6 @@ class RedisStore(ChunkStore):
             url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
             health_check_interval=0, **kwargs)
         self._down_until: float | None = None     # monotonic time of the next probe while down
-        self._last_refused = 0.0
         self._call(lambda c: c.ping())             # logs a warning if the server is not there yet
 
     def __repr__(self) -> str:
@@ -88,11 +87,8 @@ class RedisStore(ChunkStore):
                 if self._down_until is not None:  # it answered: reachable again
                     self._down_until = None
                     self.stats.available = 1
-                loud = time.monotonic() - self._last_refused > 60.0
-                if loud:
-                    self._last_refused = time.monotonic()
-            log.log(logging.ERROR if loud else logging.DEBUG, "redis tier %s refused a %s: %s",
-                    safe_url(self.url), "write" if write else "command", e)
+            self._log_error("refused", "redis tier %s refused a %s: %s", safe_url(self.url),
+                            "write" if write else "command", e)
             return _SKIP
         except self._errors as e:
             with self._lock:
