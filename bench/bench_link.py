@@ -16,8 +16,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command, machine, median, write  # noqa: E402
 
-POLICIES = ["full", "prefix", "naive", "legolink-0", "legolink-2", "legolink-16", "legolink-32",
-            "cacheblend-5", "cacheblend-15"]
 
 
 def main() -> None:
@@ -25,12 +23,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--chunk-tokens", type=int, default=512)
-    ap.add_argument("--policies", nargs="*", default=POLICIES)
+    ap.add_argument("--policies", nargs="*", default=None, help="default: every compared policy")
     args = ap.parse_args()
 
     from epic_rag import EngineConfig, EpicEngine, RagRequest
-    from epic_rag.bench.latency import compile_for, corpus_chunks
+    from epic_rag.bench.latency import COMPARED_POLICIES, compile_for, corpus_chunks
     from epic_rag.engine.engine import _event_sink
+
+    policies = args.policies or COMPARED_POLICIES
 
     engine = EpicEngine(EngineConfig(model="smollm2-135m-instruct", dtype="float32", max_model_len=8192,
                                      kv_cache_gib=4, max_num_seqs=16))
@@ -55,23 +55,23 @@ def main() -> None:
             ev.wait()
         prefill_tps.append(sum(len(t) for t in ids) / (time.perf_counter() - t0))
 
-    compile_for(engine, chunks, args.policies)
+    compile_for(engine, chunks, policies)
     rng = random.Random(0)
     orders = [rng.sample(chunks, len(chunks)) for _ in range(args.reps)]
     # warm-up (and prefix-cache warm-up with another order)
-    for pol in args.policies:
+    for pol in policies:
         engine.generate(RagRequest(question=question, chunks=chunks), max_tokens=1, policy=pol)
-    ttft: dict[str, list[float]] = {p: [] for p in args.policies}
+    ttft: dict[str, list[float]] = {p: [] for p in policies}
     info: dict[str, dict] = {}
     for order in orders:                      # interleave policies: same prompts, same machine noise
-        for pol in args.policies:
+        for pol in policies:
             g = engine.generate(RagRequest(question=question, chunks=order), max_tokens=1, policy=pol)
             ttft[pol].append(g.ttft_s)
             info[pol] = {"prompt_tokens": g.prompt_tokens, "recomputed_tokens": g.recomputed_tokens,
                          "linked_tokens": g.linked_tokens}
     full = median(ttft["full"])
     rows = []
-    for pol in args.policies:
+    for pol in policies:
         m = median(ttft[pol])
         rows.append({"policy": pol, "ttft_median_s": round(m, 4), "ttft_min_s": round(min(ttft[pol]), 4),
                      "ttft_max_s": round(max(ttft[pol]), 4), "ratio_to_full": round(m / full, 4), **info[pol]})

@@ -111,7 +111,7 @@ def main() -> None:
             store.close()
         load_after = os.getloadavg()
 
-    data = {"command": command(), "machine": machine(), "nproc": os.cpu_count(), "chunk": info,
+    data = {"command": command(), "machine": machine(), "chunk": info,
             "loadavg_1m_before": load_before[0], "loadavg_1m_after": load_after[0],
             "loads_per_tier": args.loads, "compile_s_median": median(compile_s), "compile_s": compile_s,
             "tiers": rows}
@@ -119,7 +119,7 @@ def main() -> None:
     md = [f"# Store benchmark: one {n_tok}-token SmolLM2-135M chunk (fp32 KV, {L} layers x {H} KV heads x {D})",
           "",
           f"Command: `{data['command']}`  ",
-          f"Machine: {m['cpu']}, nproc {os.cpu_count()}; date {m['date']}; commit {m['commit']}; "
+          f"Machine: {m['cpu']}, nproc {m['cores']}; date {m['date']}; commit {m['commit']}; "
           f"1-min load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (machine shared)  ",
           f"Medians over {args.loads} loads per tier, tiers interleaved round by round (each load verifies the sha256 checksum, key, dtype and shape;",
           "int8 loads also dequantize to fp32). Compile: median of "

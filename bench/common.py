@@ -1,13 +1,12 @@
 """Shared helpers for the benchmark scripts: machine facts, command line, result files."""
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
-from epic_rag.bench.report import machine  # noqa: F401  (re-exported for the bench scripts)
+from epic_rag.bench.report import machine, save_json  # noqa: F401  (machine: re-exported for the bench scripts)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -21,7 +20,6 @@ def median(xs: list[float]) -> float:
 
 
 def write(name: str, data: dict, markdown: str, out: Path = RESULTS) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    save_json(out, name, data)
     (out / f"{name}.md").write_text(markdown)
     print(markdown)

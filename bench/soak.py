@@ -40,7 +40,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from common import RESULTS, machine, write  # bench/ is the script's folder (and on the tests' path)
+from common import RESULTS, command, machine, write  # bench/ is the script's folder (and on the tests' path)
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "soak-key"
@@ -165,13 +165,10 @@ def _pick(rng: random.Random, weighted) -> str:
 def percentiles(xs: list[float]) -> dict[str, float | None]:
     if not xs:
         return {"n": 0, "p50": None, "p90": None, "p99": None, "max": None}
-    s = sorted(xs)
+    from epic_rag.bench.latency import percentile
 
-    def q(p: float) -> float:
-        return round(s[min(len(s) - 1, max(0, int(round(p * (len(s) - 1)))))], 4)
-
-    return {"n": len(s), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": round(s[-1], 4),
-            "mean": round(statistics.fmean(s), 4)}
+    return {"n": len(xs), **{f"p{round(p * 100)}": round(percentile(xs, p), 4) for p in (0.5, 0.9, 0.99)},
+            "max": round(max(xs), 4), "mean": round(statistics.fmean(xs), 4)}
 
 
 async def _one(client, rng: random.Random, questions: list[tuple[str, str, str]], max_tokens: int,
@@ -424,7 +421,7 @@ def cmd_soak(args) -> int:
     summary = summarize(load, args.warmup)
     step = max(1, len(load["rss"]) // 60)
     data = {
-        "command": " ".join([".venv/bin/python", "bench/soak.py"] + sys.argv[1:]),
+        "command": command(),
         "server_cmd": ["epic-rag"] + server.cmd[1:3] + ["<corpus>", "--data-dir", "<tmp>", "--port", "<free>",
                                                          "--api-key", "<key>", "--no-browser-needed"],
         "machine": machine(), "machine_note": note,
@@ -556,7 +553,7 @@ def cmd_fuzz(args) -> int:
     finally:
         server.stop()
     rep = json.loads(report.read_text())
-    data = {"command": " ".join([".venv/bin/python", "bench/soak.py"] + sys.argv[1:]),
+    data = {"command": command(),
             "st_command": " ".join(["st"] + cmd[1:]).replace(KEY, "<key>").replace(server.url, "http://127.0.0.1:<port>"),
             "machine": machine(), "documents": len(docs), "max_examples": args.max_examples, "exit_code": r.returncode,
             "alive_after": alive, "rss_before_mib": _mib(rss_before), "rss_after_mib": _mib(rss_after),

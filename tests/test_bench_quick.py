@@ -19,17 +19,17 @@ def test_scores_follow_longbench_normalisation():
 
 
 def test_quick_bench_writes_every_policy_for_every_part(smol_engine, tmp_path):
-    from epic_rag.bench.accuracy import ACCURACY_POLICIES
+    from epic_rag.bench.latency import COMPARED_POLICIES
     from epic_rag.bench.cli import run
 
     args = argparse.Namespace(out=str(tmp_path), quick=True, what="all", model="smollm2-135m-instruct",
                               policies=None, reps=1, max_tokens=4, no_progress=True)
     report = run(args, engine=smol_engine)
     acc = json.loads((tmp_path / "accuracy.json").read_text())
-    assert [r["policy"] for r in acc["summary"]] == ACCURACY_POLICIES
+    assert [r["policy"] for r in acc["summary"]] == COMPARED_POLICIES
     assert all(r["n"] == acc["n_samples"] for r in acc["summary"])
     sync = json.loads((tmp_path / "sync.json").read_text())
-    assert {r["policy"] for r in sync} == set(ACCURACY_POLICIES)
+    assert {r["policy"] for r in sync} == set(COMPARED_POLICIES)
     assert all(r["ttft_median_s"] > 0 for r in sync)
     assert json.loads((tmp_path / "async.json").read_text())
     assert json.loads((tmp_path / "scaling.json").read_text())

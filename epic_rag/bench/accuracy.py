@@ -9,12 +9,8 @@ from pathlib import Path
 from ..prompt import render_request
 from ..types import RagRequest
 from .datasets import Sample, multidoc_samples, needle_samples
-from .latency import compile_for
+from .latency import COMPARED_POLICIES, compile_for
 from .metrics import first_line, rouge_l, substring_match, token_f1
-
-ACCURACY_POLICIES = ["full", "prefix", "naive", "cacheblend-5", "cacheblend-15", "legolink-0", "legolink-2",
-                     "legolink-16", "legolink-32"]
-
 
 def sample_segments(tokenizer, s: Sample) -> list:
     """Chat-templated prompt with each chunk its own segment, the answer prefix after the assistant header."""

@@ -29,25 +29,25 @@ def run(args: argparse.Namespace, engine=None) -> Path:
     pols = args.policies
     if what in ("all", "accuracy"):
         samples = A.build_samples(engine.tokenizer, quick=q)
-        apols = pols or A.ACCURACY_POLICIES
+        apols = pols or L.COMPARED_POLICIES
         rows = A.run_accuracy(engine, samples, apols, out / "accuracy_rows.jsonl", max_tokens=args.max_tokens,
                               progress=not args.no_progress)
         save_json(out, "accuracy", {"n_samples": len(samples), "max_tokens": args.max_tokens,
                                     "summary": A.summarize(rows, apols)})
     if what in ("all", "latency"):
         rows = L.sync_latency(engine, contexts=QUICK["contexts"] if q else (1024, 2048, 4096, 7168),
-                              chunk_tokens=QUICK["chunk_tokens"] if q else 512, policies=pols or L.LATENCY_POLICIES,
+                              chunk_tokens=QUICK["chunk_tokens"] if q else 512, policies=pols or L.COMPARED_POLICIES,
                               reps=QUICK["reps"] if q else args.reps, progress=not args.no_progress)
         save_json(out, "sync", rows)
     if what in ("all", "async"):
         kw = dict(rates=QUICK["rates"], n_requests=QUICK["n_requests"], pool_size=QUICK["pool_size"],
                   chunk_tokens=QUICK["chunk_tokens"]) if q else {}
-        rows = L.async_load(engine, policies=tuple(pols) if pols else ("full", "naive", "cacheblend-15", "legolink-16"),
+        rows = L.async_load(engine, policies=tuple(pols or L.LOAD_POLICIES),
                             progress=not args.no_progress, **kw)
         save_json(out, "async", rows)
     if what in ("all", "scaling"):
         kw = dict(counts=QUICK["counts"], chunk_tokens=QUICK["scaling_chunk_tokens"], reps=1) if q else {}
-        rows = L.scaling(engine, policies=tuple(pols) if pols else ("full", "naive", "cacheblend-15", "legolink-16"),
+        rows = L.scaling(engine, policies=tuple(pols or L.LOAD_POLICIES),
                          progress=not args.no_progress, **kw)
         save_json(out, "scaling", rows)
     path = write_report(out)

@@ -6,13 +6,16 @@ import random
 import resource
 import statistics
 import time
+from functools import lru_cache
 
 from ..corpus import pydoc_documents
 from ..policy import parse_policy
 from ..types import RagRequest
 
-LATENCY_POLICIES = ["full", "prefix", "naive", "cacheblend-5", "cacheblend-15", "legolink-0", "legolink-2",
-                    "legolink-16", "legolink-32"]
+# EPIC's comparison: every policy in the accuracy and synchronous tables; the load tests keep four.
+COMPARED_POLICIES = ["full", "prefix", "naive", "cacheblend-5", "cacheblend-15", "legolink-0", "legolink-2",
+                     "legolink-16", "legolink-32"]
+LOAD_POLICIES = ("full", "naive", "cacheblend-15", "legolink-16")
 QUESTION = "Which function in these documents serializes an object to a JSON formatted string?"
 
 
@@ -27,21 +30,27 @@ def compile_for(engine, chunks: list[str], policies) -> None:
         engine.compile(chunks, policy=p)
 
 
+@lru_cache(maxsize=2)
+def _corpus_ids(tokenizer) -> list[int]:
+    """The pydoc corpus tokenized once per tokenizer (rendering and encoding it takes seconds)."""
+    return tokenizer.encode("\n\n".join(d.text for d in pydoc_documents()), add_special_tokens=False)
+
+
 def corpus_chunks(tokenizer, n: int, chunk_tokens: int, offset: int = 0) -> list[str]:
-    text = "\n\n".join(d.text for d in pydoc_documents())
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = _corpus_ids(tokenizer)
     need = (offset + n) * chunk_tokens
     if need > len(ids):
         raise ValueError(f"corpus has {len(ids)} tokens, {need} needed")
     return [tokenizer.decode(ids[(offset + i) * chunk_tokens:(offset + i + 1) * chunk_tokens]) for i in range(n)]
 
 
-def _pct(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]); NaN for no samples."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
-def sync_latency(engine, contexts=(1024, 2048, 4096, 7168), chunk_tokens=512, policies=LATENCY_POLICIES,
+def sync_latency(engine, contexts=(1024, 2048, 4096, 7168), chunk_tokens=512, policies=COMPARED_POLICIES,
                  reps=3, progress=True) -> list[dict]:
     """TTFT per policy and context; prompts identical across policies (chunk order shuffled per rep)."""
     from tqdm import tqdm
@@ -100,11 +109,11 @@ async def _open_loop(engine, policy: str, rate: float, n_requests: int, pool: li
     await asyncio.gather(*[one(at, rng.sample(pool, k)) for at in arrivals])
     wall = time.perf_counter() - start
     return {"policy": policy, "rate": rate, "requests": n_requests, "completed": len(ttfts), "errors": errors,
-            "throughput_rps": len(ttfts) / wall, "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p90_s": _pct(ttfts, 0.9),
-            "ttft_p99_s": _pct(ttfts, 0.99), "wall_s": wall}
+            "throughput_rps": len(ttfts) / wall, "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p90_s": percentile(ttfts, 0.9),
+            "ttft_p99_s": percentile(ttfts, 0.99), "wall_s": wall}
 
 
-def async_load(engine, rates=(0.25, 0.5, 1.0, 2.0), policies=("full", "naive", "cacheblend-15", "legolink-16"),
+def async_load(engine, rates=(0.25, 0.5, 1.0, 2.0), policies=LOAD_POLICIES,
                n_requests=12, pool_size=12, chunks_per_request=4, chunk_tokens=512, max_tokens=8,
                progress=True) -> list[dict]:
     """Poisson arrivals at each rate; each request draws chunks from a shared pool (all compiled up front,
@@ -128,8 +137,7 @@ def async_load(engine, rates=(0.25, 0.5, 1.0, 2.0), policies=("full", "naive", "
     return rows
 
 
-def scaling(engine, counts=(4, 8, 16, 32), chunk_tokens=224, policies=("full", "naive", "cacheblend-15",
-                                                                     "legolink-16"), reps=2,
+def scaling(engine, counts=(4, 8, 16, 32), chunk_tokens=224, policies=LOAD_POLICIES, reps=2,
             progress=True) -> list[dict]:
     """TTFT and memory against the number of chunks (224-token chunks keep 32 of them, with the template,
     inside SmolLM2's 8192-token window)."""
