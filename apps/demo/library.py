@@ -109,8 +109,7 @@ class Library:
         self.docs: dict[str, DocInfo] = {}
         self.chunks: dict[str, ChunkRecord] = {}
         self._ids: list[str] = []                            # chunk id per index row
-        self._emb = np.zeros((0, 384), dtype=np.float32)     # emb: [N, D], L2-normalised
-        self._index = None
+        self._index = None                                   # faiss IndexFlatIP over L2-normalised vectors
         self._tasks: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -315,11 +314,9 @@ class Library:
             if self._index is None:
                 faiss.omp_set_num_threads(1)
                 self._index = faiss.IndexFlatIP(emb.shape[1])
-                self._emb = np.zeros((0, emb.shape[1]), dtype=np.float32)
             for r in records:
                 self.chunks[r.id] = r
             self._ids += [r.id for r in records]
-            self._emb = np.concatenate([self._emb, emb])
             self._index.add(emb)
             info.chunks = len(records)
             info.state = "compiling" if records else "ready"
@@ -367,19 +364,16 @@ class Library:
             return None
         gone = {cid for cid, c in self.chunks.items() if c.doc == name}
         if gone:
-            keep = [i for i, cid in enumerate(self._ids) if cid not in gone]
+            rows = [i for i, cid in enumerate(self._ids) if cid in gone]
             for cid in gone:
                 c = self.chunks.pop(cid)
                 if c.ref is not None:
                     self.progress.compiled -= 1
             self.progress.chunks -= len(gone)
             self.progress.embedded -= len(gone)
-            self._ids = [self._ids[i] for i in keep]
-            self._emb = self._emb[keep]
-            import faiss
-            self._index = faiss.IndexFlatIP(self._emb.shape[1])
-            if len(self._ids):
-                self._index.add(self._emb)
+            # A flat index removes rows in place and keeps the others in order, aligned with _ids.
+            self._index.remove_ids(np.asarray(rows, dtype=np.int64))
+            self._ids = [cid for cid in self._ids if cid not in gone]
         return info
 
     # ------------------------------------------------------------------ embeddings (cached on disk)
