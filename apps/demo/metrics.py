@@ -16,14 +16,7 @@ class _StoreCollector:
 
     def collect(self):
         engine = self._engine()
-        tiers: dict[str, dict] = {}
-        if engine is not None:
-            store = engine.store
-            if hasattr(store, "tier_stats"):
-                tiers = store.tier_stats()
-            elif hasattr(store, "stats"):
-                st = store.stats
-                tiers = {getattr(store, "name", "store"): st.as_dict() if hasattr(st, "as_dict") else dict(st)}
+        tiers: dict[str, dict] = engine.store.tier_stats() if engine is not None else {}
         counters = {"hits": "chunk lookups the tier answered", "misses": "chunk lookups the tier missed",
                     "puts": "chunks written", "evictions": "chunks evicted", "errors": "tier errors",
                     "corrupt": "corrupt entries dropped"}
