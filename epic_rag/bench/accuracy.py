@@ -9,7 +9,7 @@ from pathlib import Path
 from ..prompt import render_request
 from ..types import RagRequest
 from .datasets import Sample, multidoc_samples, needle_samples
-from .latency import COMPARED_POLICIES, compile_for
+from .latency import compile_for
 from .metrics import first_line, rouge_l, substring_match, token_f1
 
 def sample_segments(tokenizer, s: Sample) -> list:
