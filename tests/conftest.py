@@ -13,7 +13,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from epic_rag.models import cache_dir
+    from epic_rag.paths import cache_dir
     from epic_rag.testing.tiny_model import build_tiny_model
 
     return build_tiny_model(cache_dir() / "test-models" / "tiny-llama-v1")

@@ -271,7 +271,7 @@ KILL_SCRIPT = r'''
 import json, os, sys, time, types
 cfg = json.loads(sys.argv[1])
 from epic_rag import EngineConfig, EpicEngine
-from epic_rag.models import cache_dir
+from epic_rag.paths import cache_dir
 from epic_rag.store import disk as disk_mod
 from epic_rag.testing.tiny_model import build_tiny_model
 

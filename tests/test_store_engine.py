@@ -21,7 +21,7 @@ import json, sys
 from pathlib import Path
 cfg = json.loads(sys.argv[1])
 from epic_rag import EngineConfig, EpicEngine, RagRequest
-from epic_rag.models import cache_dir
+from epic_rag.paths import cache_dir
 from epic_rag.testing.tiny_model import build_tiny_model
 
 model = build_tiny_model(cache_dir() / "test-models" / cfg["model_name"], seed=cfg["seed"])

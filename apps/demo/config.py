@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from epic_rag.models import DEFAULT_MODEL, cache_dir
+from epic_rag.models import DEFAULT_MODEL
+from epic_rag.paths import cache_dir
 from epic_rag.policy import parse_policy
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from ..models import package_dir
+from ..paths import package_dir
 
 
 @dataclass(slots=True)

@@ -1,0 +1,24 @@
+"""Chunk keys: content-derived addresses of compiled chunk KV in the store.
+
+A key covers everything a chunk's KV depends on: the model (config + weight bytes), the tokenizer, the KV
+dtype (together: the fingerprint), the compile variant and the chunk's tokens. Another model, tokenizer or
+dtype can therefore never hit old KV.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+
+def kv_fingerprint(model_fp: str, tokenizer_fp: str, kv_dtype: str) -> str:
+    """What a chunk's KV depends on besides its tokens and compile variant."""
+    return hashlib.sha256(f"{model_fp}|{tokenizer_fp}|{kv_dtype}".encode()).hexdigest()
+
+
+def chunk_key(fingerprint: str, token_ids: Sequence[int], variant: str = "plain") -> str:
+    """`<variant>-<40 hex>`: sha256 over the fingerprint, the variant and the tokens as int64."""
+    h = hashlib.sha256(fingerprint.encode())
+    h.update(variant.encode())
+    h.update(array("q", token_ids).tobytes())
+    return f"{variant}-{h.hexdigest()[:40]}"
