@@ -1,9 +1,9 @@
 """epic_rag: position-independent KV caching (EPIC compile + LegoLink link) on an embedded vLLM engine."""
 from .config import EngineConfig
 from .policy import Policy, parse_policy
-from .types import Chunk, ChunkRef, Generation, RagRequest, Segment
+from .types import Chunk, ChunkRef, Delta, Generation, RagRequest, Segment
 
-__all__ = ["EpicEngine", "EngineConfig", "RagRequest", "Generation", "ChunkRef", "Chunk", "Segment",
+__all__ = ["EpicEngine", "EngineConfig", "RagRequest", "Generation", "Delta", "ChunkRef", "Chunk", "Segment",
            "Policy", "parse_policy"]
 
 

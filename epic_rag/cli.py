@@ -30,7 +30,7 @@ def top_chunks(question: str, chunks: list[TextChunk], k: int) -> list[TextChunk
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from . import EngineConfig, EpicEngine, RagRequest
+    from . import Delta, EngineConfig, EpicEngine, RagRequest
 
     t0 = time.perf_counter()
     engine = EpicEngine(EngineConfig(model=args.model, policy=args.policy, store=args.store,
@@ -51,10 +51,10 @@ def cmd_ask(args: argparse.Namespace) -> int:
             print(f"[{policy}] {gen.text.strip()}")
         else:
             for ev in engine.stream_events(req, max_tokens=args.max_tokens, policy=policy):
-                if hasattr(ev, "ttft_s"):
-                    gen = ev
-                else:
+                if isinstance(ev, Delta):
                     print(ev.text, end="", flush=True)
+                else:
+                    gen = ev
             print()
         print(f"  policy={gen.policy} ttft={gen.ttft_s:.3f}s prompt={gen.prompt_tokens} linked={gen.linked_tokens} "
               f"recomputed={gen.recomputed_tokens} chunk_hits={gen.chunk_hits} chunk_misses={gen.chunk_misses}")

@@ -35,6 +35,18 @@ class RagRequest:
 
 
 @dataclass(slots=True)
+class Delta:
+    """One step's new output of a streaming request (`EpicEngine.stream_events` yields these, then a Generation)."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    t: float                           # time.perf_counter() when the step produced it
+    cached_tokens: int | None = None   # prompt tokens vLLM served from its own prefix cache
+
+
+@dataclass(slots=True)
 class Generation:
     """Result of one request, with the linking figures that explain its TTFT."""
 

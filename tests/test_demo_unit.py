@@ -16,7 +16,7 @@ import pytest
 from apps.demo.config import DemoConfig, open_demo_store
 from apps.demo.library import safe_upload_name
 from apps.demo.server import BackgroundServer, create_app
-from epic_rag.engine.runtime import Delta
+from epic_rag.types import Delta
 from epic_rag.store import MemoryStore
 from epic_rag.types import ChunkRef, Generation, RagRequest
 

@@ -13,19 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..types import Delta
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Delta:
-    """One step's new output of a request."""
-
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    t: float
-    cached_tokens: int | None = None   # prompt tokens vLLM served from its own prefix cache
 
 
 @dataclass

@@ -37,7 +37,7 @@ from langchain_core.runnables.config import patch_config
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from ..config import EngineConfig
-from ..engine.runtime import Delta
+from ..types import Delta
 from ..types import ChunkRef, Generation, RagRequest
 from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, shared_engine
 

@@ -43,7 +43,7 @@ from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, Trans
 from llama_index.core.settings import Settings
 
 from ..config import EngineConfig
-from ..engine.runtime import Delta
+from ..types import Delta
 from ..types import Generation, RagRequest
 from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, shared_engine
 
