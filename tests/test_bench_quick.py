@@ -19,11 +19,11 @@ def test_scores_follow_longbench_normalisation():
 
 
 def test_quick_bench_writes_every_policy_for_every_part(smol_engine, tmp_path):
+    from epic_rag.bench.cli import parse_args, run
     from epic_rag.bench.latency import COMPARED_POLICIES
-    from epic_rag.bench.cli import run
 
-    args = argparse.Namespace(out=str(tmp_path), quick=True, what="all", model="smollm2-135m-instruct",
-                              policies=None, reps=1, max_tokens=4, no_progress=True)
+    args = parse_args(["all", "--quick", "--out", str(tmp_path), "--reps", "1", "--max-tokens", "4",
+                       "--no-progress"])
     report = run(args, engine=smol_engine)
     acc = json.loads((tmp_path / "accuracy.json").read_text())
     assert [r["policy"] for r in acc["summary"]] == COMPARED_POLICIES
@@ -33,6 +33,12 @@ def test_quick_bench_writes_every_policy_for_every_part(smol_engine, tmp_path):
     assert all(r["ttft_median_s"] > 0 for r in sync)
     assert json.loads((tmp_path / "async.json").read_text())
     assert json.loads((tmp_path / "scaling.json").read_text())
+    link = json.loads((tmp_path / "link.json").read_text())
+    assert [r["policy"] for r in link["ttft"]] == COMPARED_POLICIES and link["compile_vs_prefill"] > 0
+    assert "| legolink-16 |" in (tmp_path / "link.md").read_text()
+    store = json.loads((tmp_path / "store.json").read_text())
+    assert len(store["tiers"]) == 8 and all(r["load_s_median"] > 0 for r in store["tiers"])
+    assert (tmp_path / "store.md").exists()
     text = report.read_text()
     assert "## Accuracy" in text and "## TTFT, synchronous" in text and (tmp_path / "ttft_vs_context.png").exists()
     # Resuming finds everything done and generates nothing new.

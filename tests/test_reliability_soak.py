@@ -1,23 +1,18 @@
-"""Issue 7, load: the soak harness (bench/soak.py) for ~20 s in a tiny configuration against the demo app on
+"""Load: the soak harness (apps/demo/soak.py) for ~20 s in a tiny configuration against the demo app on
 SmolLM2 (the session's `smol_engine`, served in-process on loopback): every request is answered or refused
 with a clear status, streams finish with [DONE], nothing is left in flight. The full 5-minute, 16-client run
-is `bench/soak.py soak` (results in bench/results/soak.md); it does not run in CI.
+is `python -m apps.demo.soak soak` (results in docs/bench/soak.md); it does not run in CI.
 """
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
+from apps.demo import soak
 from apps.demo.config import DemoConfig
 from apps.demo.server import BackgroundServer, create_app
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import soak  # noqa: E402
 
 pytestmark = pytest.mark.smollm
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from ..prompt import render_request
 from ..types import RagRequest
+from .common import compile_for
 from .datasets import Sample, multidoc_samples, needle_samples
-from .latency import compile_for
 from .metrics import first_line, rouge_l, substring_match, token_f1
+
 
 def sample_segments(tokenizer, s: Sample) -> list:
     """Chat-templated prompt with each chunk its own segment, the answer prefix after the assistant header."""

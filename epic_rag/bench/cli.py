@@ -1,72 +1,107 @@
-"""`epic-rag bench {all,latency,async,scaling,accuracy,report}` with `--quick` for CI smoke tests."""
+"""`epic-rag bench {link,store,accuracy,sync,async,scaling,all,report}` with `--quick` for CI smoke tests.
+
+Every part writes `<out>/<part>.json` and Markdown into `--out` (default docs/bench): link.md and
+store.md for those two; the comparisons (accuracy, sync, async, scaling) one report, README.md, with
+meta.json (model, machine, the commands that made them) and plots.
+"""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from .common import DEFAULT_OUT
+
+PARTS = ["link", "store", "accuracy", "sync", "async", "scaling"]
+REPORTED = {"accuracy", "sync", "async", "scaling"}      # the parts docs/bench/README.md reports
 QUICK = dict(contexts=(256, 512), chunk_tokens=128, reps=1, rates=(0.5,), n_requests=2, pool_size=4,
-             counts=(2, 4), scaling_chunk_tokens=64)
+             counts=(2, 4), scaling_chunk_tokens=64, link_chunks=2, link_chunk_tokens=64, link_rounds=1,
+             store_chunk_tokens=64, loads=2, compiles=1)
 
 
 def run(args: argparse.Namespace, engine=None) -> Path:
+    """Run the part(s) `args.what` names on `engine` (one made here when None); returns the report's path
+    (README.md), or the part's Markdown for link and store alone."""
     from .. import EngineConfig, EpicEngine
     from . import accuracy as A
     from . import latency as L
-    from .report import command_line, load_json, machine, save_json, write_report
+    from . import link, store
+    from .common import command_line, load_json, machine, save_json
+    from .report import write_report
 
     out = Path(args.out)
+    what = args.what
+    parts = PARTS if what == "all" else [what]
     own = engine is None
     if own:
-        engine = EpicEngine(EngineConfig(model=args.model, dtype="float32", max_model_len=8192, kv_cache_gib=4))
+        size = dict(max_model_len=2048, kv_cache_gib=1, max_num_seqs=4) if what == "store" else \
+            dict(max_model_len=8192, kv_cache_gib=4)
+        engine = EpicEngine(EngineConfig(model=args.model, dtype="float32", **size))
+    model = f"{args.model} ({engine.dtype}, vLLM CPU)" if own else str(engine.model_dir)
     q = args.quick
-    meta = load_json(out, "meta") or {"commands": []}
-    meta.update(model=f"{args.model} ({engine.dtype}, vLLM CPU)" if own else str(engine.model_dir),
-                machine=machine())
-    if command_line() not in meta["commands"]:
-        meta["commands"].append(command_line())
-    save_json(out, "meta", meta)
-    what = args.what
     pols = args.policies
-    if what in ("all", "accuracy"):
+    progress = not args.no_progress
+    if REPORTED & set(parts):
+        meta = load_json(out, "meta") or {"commands": []}
+        meta.update(model=model, machine=machine())
+        if command_line() not in meta["commands"]:
+            meta["commands"].append(command_line())
+        save_json(out, "meta", meta)
+    if "link" in parts:
+        link.run(engine, out, model, chunks=QUICK["link_chunks"] if q else args.chunks,
+                 chunk_tokens=QUICK["link_chunk_tokens"] if q else args.chunk_tokens,
+                 reps=QUICK["reps"] if q else args.reps or 5, policies=pols,
+                 rounds=QUICK["link_rounds"] if q else 3, progress=progress)
+    if "store" in parts:
+        store.run(engine, out, model, loads=QUICK["loads"] if q else args.loads,
+                  compiles=QUICK["compiles"] if q else args.compiles,
+                  chunk_tokens=QUICK["store_chunk_tokens"] if q else args.chunk_tokens, release=own and what == "store")
+    if "accuracy" in parts:
         samples = A.build_samples(engine.tokenizer, quick=q)
         apols = pols or L.COMPARED_POLICIES
         rows = A.run_accuracy(engine, samples, apols, out / "accuracy_rows.jsonl", max_tokens=args.max_tokens,
-                              progress=not args.no_progress)
+                              progress=progress)
         save_json(out, "accuracy", {"n_samples": len(samples), "max_tokens": args.max_tokens,
                                     "summary": A.summarize(rows, apols)})
-    if what in ("all", "latency"):
+    if "sync" in parts:
         rows = L.sync_latency(engine, contexts=QUICK["contexts"] if q else (1024, 2048, 4096, 7168),
                               chunk_tokens=QUICK["chunk_tokens"] if q else 512, policies=pols or L.COMPARED_POLICIES,
-                              reps=QUICK["reps"] if q else args.reps, progress=not args.no_progress)
+                              reps=QUICK["reps"] if q else args.reps or 3, progress=progress)
         save_json(out, "sync", rows)
-    if what in ("all", "async"):
+    if "async" in parts:
         kw = dict(rates=QUICK["rates"], n_requests=QUICK["n_requests"], pool_size=QUICK["pool_size"],
                   chunk_tokens=QUICK["chunk_tokens"]) if q else {}
-        rows = L.async_load(engine, policies=tuple(pols or L.LOAD_POLICIES),
-                            progress=not args.no_progress, **kw)
+        rows = L.async_load(engine, policies=tuple(pols or L.LOAD_POLICIES), progress=progress, **kw)
         save_json(out, "async", rows)
-    if what in ("all", "scaling"):
+    if "scaling" in parts:
         kw = dict(counts=QUICK["counts"], chunk_tokens=QUICK["scaling_chunk_tokens"], reps=1) if q else {}
-        rows = L.scaling(engine, policies=tuple(pols or L.LOAD_POLICIES),
-                         progress=not args.no_progress, **kw)
+        rows = L.scaling(engine, policies=tuple(pols or L.LOAD_POLICIES), progress=progress, **kw)
         save_json(out, "scaling", rows)
-    path = write_report(out)
+    path = write_report(out) if REPORTED & set(parts) else out / f"{what}.md"
     if own:
         engine.shutdown()
     return path
 
 
-def register(sub) -> None:
-    b = sub.add_parser("bench", help="latency, throughput, scaling and accuracy benchmarks (EPIC's comparisons)")
-    b.add_argument("what", choices=["all", "latency", "async", "scaling", "accuracy", "report"], nargs="?",
-                   default="all")
+def add_arguments(b: argparse.ArgumentParser) -> None:
+    b.add_argument("what", choices=[*PARTS, "all", "report"], nargs="?", default="all",
+                   help="all: every part; report: rewrite README.md from the results in --out")
     b.add_argument("--quick", action="store_true", help="tiny settings: a smoke test of the harness")
-    b.add_argument("--out", default="docs/bench")
+    b.add_argument("--out", default=str(DEFAULT_OUT), help=f"results folder (default {DEFAULT_OUT})")
     b.add_argument("--model", default="smollm2-135m-instruct")
-    b.add_argument("--policies", nargs="*", default=None)
-    b.add_argument("--reps", type=int, default=3)
-    b.add_argument("--max-tokens", type=int, default=24)
+    b.add_argument("--policies", nargs="*", default=None, help="default: every compared policy")
+    b.add_argument("--reps", type=int, default=None, help="prompts per policy (default: link 5, sync 3)")
+    b.add_argument("--max-tokens", type=int, default=24, help="accuracy: answer length")
+    b.add_argument("--chunks", type=int, default=8, help="link: chunks per prompt")
+    b.add_argument("--chunk-tokens", type=int, default=512, help="link and store: tokens per chunk")
+    b.add_argument("--loads", type=int, default=20, help="store: loads per tier")
+    b.add_argument("--compiles", type=int, default=5, help="store: fresh chunks compiled for the compile time")
     b.add_argument("--no-progress", action="store_true")
+
+
+def register(sub) -> None:
+    b = sub.add_parser("bench", help="link, store, latency, throughput, scaling and accuracy benchmarks "
+                                     "(EPIC's comparisons)")
+    add_arguments(b)
 
     def _run(args):
         if args.what == "report":
@@ -77,3 +112,10 @@ def register(sub) -> None:
         return 0
 
     b.set_defaults(func=_run)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments of `epic-rag bench <argv>`."""
+    b = argparse.ArgumentParser(prog="epic-rag bench")
+    add_arguments(b)
+    return b.parse_args(argv)

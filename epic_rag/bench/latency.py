@@ -4,50 +4,16 @@ from __future__ import annotations
 import asyncio
 import random
 import resource
-import statistics
 import time
-from functools import lru_cache
 
-from ..corpus import pydoc_documents
-from ..policy import parse_policy
 from ..types import RagRequest
+from .common import compile_for, corpus_chunks, median, percentile
 
 # EPIC's comparison: every policy in the accuracy and synchronous tables; the load tests keep four.
 COMPARED_POLICIES = ["full", "prefix", "naive", "cacheblend-5", "cacheblend-15", "legolink-0", "legolink-2",
                      "legolink-16", "legolink-32"]
 LOAD_POLICIES = ("full", "naive", "cacheblend-15", "legolink-16")
 QUESTION = "Which function in these documents serializes an object to a JSON formatted string?"
-
-
-def compile_for(engine, chunks: list[str], policies) -> None:
-    """Compile chunks in every form the policies link (once per compile variant), outside timed runs."""
-    forms: dict[str, str] = {}
-    for p in policies:
-        pol = parse_policy(p)
-        if pol.links_chunks:
-            forms.setdefault(pol.compile_variant, p)
-    for p in forms.values():
-        engine.compile(chunks, policy=p)
-
-
-@lru_cache(maxsize=2)
-def _corpus_ids(tokenizer) -> list[int]:
-    """The pydoc corpus tokenized once per tokenizer (rendering and encoding it takes seconds)."""
-    return tokenizer.encode("\n\n".join(d.text for d in pydoc_documents()), add_special_tokens=False)
-
-
-def corpus_chunks(tokenizer, n: int, chunk_tokens: int, offset: int = 0) -> list[str]:
-    ids = _corpus_ids(tokenizer)
-    need = (offset + n) * chunk_tokens
-    if need > len(ids):
-        raise ValueError(f"corpus has {len(ids)} tokens, {need} needed")
-    return [tokenizer.decode(ids[(offset + i) * chunk_tokens:(offset + i + 1) * chunk_tokens]) for i in range(n)]
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 1]); NaN for no samples."""
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
 def sync_latency(engine, contexts=(1024, 2048, 4096, 7168), chunk_tokens=512, policies=COMPARED_POLICIES,
@@ -72,15 +38,15 @@ def sync_latency(engine, contexts=(1024, 2048, 4096, 7168), chunk_tokens=512, po
             for p in policies:
                 g = engine.generate(RagRequest(question=QUESTION, chunks=order), max_tokens=1, policy=p)
                 samples[p].append(g.ttft_s)
-                info[p] = (g.prompt_tokens, g.recomputed_tokens)
+                info[p] = {"prompt_tokens": g.prompt_tokens, "recomputed_tokens": g.recomputed_tokens,
+                           "linked_tokens": g.linked_tokens}
                 bar.update(1)
-        full = statistics.median(samples["full"]) if "full" in samples else float("nan")
+        full = median(samples.get("full", []))
         for p in policies:
-            m = statistics.median(samples[p])
+            m = median(samples[p])
             rows.append({"context": ctx, "chunks": n, "policy": p, "ttft_median_s": m,
                          "ttft_min_s": min(samples[p]), "ttft_max_s": max(samples[p]),
-                         "ratio_to_full": m / full, "prompt_tokens": info[p][0], "recomputed_tokens": info[p][1],
-                         "samples": samples[p]})
+                         "ratio_to_full": m / full, **info[p], "samples": samples[p]})
     bar.close()
     return rows
 
@@ -155,7 +121,7 @@ def scaling(engine, counts=(4, 8, 16, 32), chunk_tokens=224, policies=LOAD_POLIC
             for _ in range(reps):
                 g = engine.generate(RagRequest(question=QUESTION, chunks=chunks), max_tokens=1, policy=p)
                 ts.append(g.ttft_s)
-            rows.append({"chunks": n, "context": g.prompt_tokens, "policy": p, "ttft_median_s": statistics.median(ts),
+            rows.append({"chunks": n, "context": g.prompt_tokens, "policy": p, "ttft_median_s": median(ts),
                          "recomputed_tokens": g.recomputed_tokens,
                          "linker_workspace_mb": (2 * 4 * g.prompt_tokens * engine.kv_info["num_layers"]
                                                  * engine.kv_info["num_kv_heads"] * engine.kv_info["head_size"]

@@ -1,40 +1,10 @@
-"""Write benchmark results as JSON, a Markdown report and plots (TTFT vs accuracy, TTFT vs context,
-throughput vs rate), with the command, model, machine and date."""
+"""The comparisons' Markdown report (out/README.md) and plots (TTFT vs accuracy, TTFT vs context,
+throughput vs rate), assembled from the JSON results with the command, model, machine and date."""
 from __future__ import annotations
 
-import datetime as _dt
-import json
-import os
-import platform
-import subprocess
-import sys
 from pathlib import Path
 
-
-def machine() -> dict:
-    cpu = ""
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu,
-            "cores": os.cpu_count(), "python": platform.python_version(), "commit": commit}
-
-
-def command_line() -> str:
-    return "epic-rag " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("epic-rag") \
-        else " ".join(sys.argv)
-
-
-def save_json(out: Path, name: str, data) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
-
-
-def load_json(out: Path, name: str):
-    p = out / f"{name}.json"
-    return json.loads(p.read_text()) if p.exists() else None
+from .common import load_json
 
 
 def _plots(out: Path, sync, asyn, acc) -> list[str]:

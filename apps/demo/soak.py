@@ -1,22 +1,23 @@
-"""Reliability harness (issue 7): a bounded load/soak test and a schemathesis fuzz run, both against
+"""Reliability harness for the demo: a bounded load/soak test and a schemathesis fuzz run, both against
 `epic-rag demo` (SmolLM2, FAISS + MiniLM retrieval, default store memory 2 GiB over disk) started here on
 127.0.0.1 over a small generated corpus, with an API key.
 
-    .venv/bin/python bench/soak.py soak [--duration 300] [--concurrency 16] [--max-tokens 48]
-    .venv/bin/python bench/soak.py fuzz [--max-examples 100]
+    .venv/bin/python -m apps.demo.soak soak [--duration 300] [--concurrency 16] [--max-tokens 48] [--out docs/bench]
+    .venv/bin/python -m apps.demo.soak fuzz [--max-examples 100] [--out docs/bench]
 
 soak: `concurrency` asyncio clients (httpx) send chats back to back for `duration` seconds: mostly streamed
 answers over retrieved chunks with a mix of link policies, some non-streamed, some malformed on purpose
 (must be refused with a 4xx and a message) and some that disconnect after the first token (must be
 cancelled). Every request is classified; anything else (5xx, SSE error event, transport error, timeout,
-a stream without [DONE]) is an error. The server's RSS is sampled every second. Results: bench/results/soak.json
+a stream without [DONE]) is an error. The server's RSS is sampled every second. Results: <out>/soak.json
 and soak.md; exit status 1 when any request errored.
 
 fuzz: schemathesis' `st run` against the server's /openapi.json with the `not_a_server_error` check (any 5xx
-or transport failure is a failure). A hook (this module, loaded through SCHEMATHESIS_HOOKS) steers two
-thirds of the generated chat bodies into the generation path (served model, a user message last, max_tokens
-at most 32) so that fuzzed content reaches the engine rather than the route's first check. Results:
-bench/results/fuzz.json and fuzz.md.
+or transport failure is a failure). It runs as `python -m apps.demo.soak st run ...`: schemathesis' own command
+line, after `register_fuzz_hooks` has added a hook that steers two thirds of the generated chat bodies into
+the generation path (served model, a user message last, max_tokens at most 32) so that fuzzed content
+reaches the engine rather than the route's first check. Importing this module registers nothing. Results:
+<out>/fuzz.json and fuzz.md.
 
 `run_load` and the fuzz helpers are imported by tests/test_reliability_soak.py and
 tests/test_reliability_fuzz.py, which run both in tiny configurations.
@@ -40,9 +41,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from common import RESULTS, command, machine, write  # bench/ is the script's folder (and on the tests' path)
+from epic_rag.bench.common import DEFAULT_OUT, command_line, machine, percentile, write
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+MODULE = "apps.demo.soak"
 KEY = "soak-key"
 
 # ---------------------------------------------------------------------- corpus and questions
@@ -165,8 +167,6 @@ def _pick(rng: random.Random, weighted) -> str:
 def percentiles(xs: list[float]) -> dict[str, float | None]:
     if not xs:
         return {"n": 0, "p50": None, "p90": None, "p99": None, "max": None}
-    from epic_rag.bench.latency import percentile
-
     return {"n": len(xs), **{f"p{round(p * 100)}": round(percentile(xs, p), 4) for p in (0.5, 0.9, 0.99)},
             "max": round(max(xs), 4), "mean": round(statistics.fmean(xs), 4)}
 
@@ -421,7 +421,7 @@ def cmd_soak(args) -> int:
     summary = summarize(load, args.warmup)
     step = max(1, len(load["rss"]) // 60)
     data = {
-        "command": command(),
+        "command": command_line(MODULE),
         "server_cmd": ["epic-rag"] + server.cmd[1:3] + ["<corpus>", "--data-dir", "<tmp>", "--port", "<free>",
                                                          "--api-key", "<key>", "--no-browser-needed"],
         "machine": machine(), "machine_note": note,
@@ -432,7 +432,7 @@ def cmd_soak(args) -> int:
         "rss_timeline": load["rss"][::step], "store_timeline": load["probes"],
         "records": load["records"],
     }
-    write("soak", data, soak_markdown(data), Path(args.out))
+    write(Path(args.out), "soak", data, soak_markdown(data))
     return 1 if summary["errors"] else 0
 
 
@@ -440,16 +440,13 @@ def cmd_soak(args) -> int:
 FUZZ_MAX_TOKENS = 32
 
 
-def fuzz_command(st: str, url: str, key: str, max_examples: int, seed: int, report: Path,
-                 workers: int = 1) -> tuple[list[str], dict]:
-    """The `st run` command line and its environment (the steering hook below is loaded from this module)."""
-    cmd = [st, "run", f"{url}/openapi.json", "--header", f"Authorization: Bearer {key}",
-           "--checks", "not_a_server_error", "--max-examples", str(max_examples), "--seed", str(seed),
-           "--workers", str(workers), "--request-timeout", "300", "--report", "json",
-           "--report-json-path", str(report)]
-    env = dict(os.environ, SCHEMATHESIS_HOOKS="soak",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "bench"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return cmd, env
+def fuzz_command(url: str, key: str, max_examples: int, seed: int, report: Path, workers: int = 1) -> list[str]:
+    """The `st run` command line, run through this module's `st` command so that the steering hook is
+    registered first."""
+    return [sys.executable, "-m", MODULE, "st", "run", f"{url}/openapi.json", "--header",
+            f"Authorization: Bearer {key}", "--checks", "not_a_server_error", "--max-examples", str(max_examples),
+            "--seed", str(seed), "--workers", str(workers), "--request-timeout", "300", "--report", "json",
+            "--report-json-path", str(report)]
 
 
 def summarize_fuzz_report(rep: dict) -> dict:
@@ -465,7 +462,8 @@ def summarize_fuzz_report(rep: dict) -> dict:
             "warnings": {k: v for k, v in rep.get("warnings", {}).items() if v}}
 
 
-def _register_fuzz_hooks() -> None:
+def register_fuzz_hooks() -> None:
+    """Add the steering hook to schemathesis' global hooks (once per process: `st` below calls it)."""
     import schemathesis
 
     @schemathesis.hook
@@ -491,8 +489,12 @@ def _register_fuzz_hooks() -> None:
         return body
 
 
-if os.environ.get("SCHEMATHESIS_HOOKS") == "soak" and __name__ != "__main__":
-    _register_fuzz_hooks()
+def cmd_st(args) -> int:
+    """schemathesis' `st` command line with the steering hook registered."""
+    from schemathesis.cli import schemathesis
+
+    register_fuzz_hooks()
+    return schemathesis.main(args=args.st_args, prog_name="st")
 
 
 def fuzz_markdown(data: dict) -> str:
@@ -505,7 +507,8 @@ def fuzz_markdown(data: dict) -> str:
         f"date {data['machine'].get('date', '?')}, commit {data['machine'].get('commit', '?')}", "",
         f"Server: `epic-rag demo` on 127.0.0.1 (SmolLM2, MiniLM retrieval, API key), corpus of "
         f"{data['documents']} generated documents. Check: `not_a_server_error` (5xx or transport failure). "
-        f"Chat bodies: 2 of 3 steered into the engine by the hook in bench/soak.py (max_tokens <= {FUZZ_MAX_TOKENS}).", "",
+        f"Chat bodies: 2 of 3 steered into the engine by the hook in apps/demo/soak.py "
+        f"(max_tokens <= {FUZZ_MAX_TOKENS}).", "",
         "| figure | value |", "|---|---|",
         f"| operations tested | {s['operations']} of {s['operations_total']} |",
         f"| test cases generated | {s['cases']} (max {data['max_examples']} examples per operation and phase) |",
@@ -539,10 +542,9 @@ def cmd_fuzz(args) -> int:
         server.wait_ready()
         rss = process_rss(server.proc.pid)
         rss_before = rss()
-        st = shutil.which("st", path=str(Path(sys.executable).parent)) or "st"
-        cmd, env = fuzz_command(st, server.url, KEY, args.max_examples, args.seed, report, args.workers)
+        cmd = fuzz_command(server.url, KEY, args.max_examples, args.seed, report, args.workers)
         print(" ".join(cmd), flush=True)
-        r = subprocess.run(cmd, env=env, cwd=work, text=True, capture_output=True)
+        r = subprocess.run(cmd, cwd=work, text=True, capture_output=True)
         print(r.stdout[-6000:], flush=True)
         h = {"Authorization": f"Bearer {KEY}"}
         ok = httpx.post(server.url + "/v1/chat/completions", headers=h, timeout=120, json={
@@ -553,12 +555,13 @@ def cmd_fuzz(args) -> int:
     finally:
         server.stop()
     rep = json.loads(report.read_text())
-    data = {"command": command(),
-            "st_command": " ".join(["st"] + cmd[1:]).replace(KEY, "<key>").replace(server.url, "http://127.0.0.1:<port>"),
+    data = {"command": command_line(MODULE),
+            "st_command": " ".join([".venv/bin/python"] + cmd[1:]).replace(KEY, "<key>").replace(
+                server.url, "http://127.0.0.1:<port>"),
             "machine": machine(), "documents": len(docs), "max_examples": args.max_examples, "exit_code": r.returncode,
             "alive_after": alive, "rss_before_mib": _mib(rss_before), "rss_after_mib": _mib(rss_after),
             "summary": summarize_fuzz_report(rep)}
-    write("fuzz", data, fuzz_markdown(data), Path(args.out))
+    write(Path(args.out), "fuzz", data, fuzz_markdown(data))
     return 0 if (r.returncode == 0 and alive) else 1
 
 
@@ -571,15 +574,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-tokens", type=int, default=48)
     s.add_argument("--warmup", type=float, default=30.0, help="seconds before the RSS baseline (default 30)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--out", default=str(RESULTS))
+    s.add_argument("--out", default=str(DEFAULT_OUT))
     s.set_defaults(func=cmd_soak)
     f = sub.add_parser("fuzz", help="schemathesis against epic-rag demo's OpenAPI schema")
     f.add_argument("--max-examples", type=int, default=100)
     f.add_argument("--seed", type=int, default=1)
     f.add_argument("--workers", type=int, default=1,
                    help="schemathesis workers (default 1: with 2, CPython 3.11 ast.parse races inside hypothesis)")
-    f.add_argument("--out", default=str(RESULTS))
+    f.add_argument("--out", default=str(DEFAULT_OUT))
     f.set_defaults(func=cmd_fuzz)
+    t = sub.add_parser("st", add_help=False, help="schemathesis' st command line with the fuzz run's steering hook "
+                                                  "(what fuzz runs)")
+    t.add_argument("st_args", nargs=argparse.REMAINDER)
+    t.set_defaults(func=cmd_st)
     args = p.parse_args(argv)
     return args.func(args)
 

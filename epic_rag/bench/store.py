@@ -1,24 +1,23 @@
-"""Store benchmark: load latency of one compiled 512-token SmolLM2 chunk from each tier (exact and int8)
+"""Store benchmark: load latency of one compiled chunk (512 tokens) from each tier (exact and int8)
 against the time to compile it, and the bytes per token each tier stores.
 
-    .venv/bin/python bench/bench_store.py [--loads 20] [--compiles 5] [--chunk-tokens 512]
+    epic-rag bench store [--loads 20] [--compiles 5] [--chunk-tokens 512]
 
-Real KV: an EpicEngine (SmolLM2-135M, fp32) compiles pydoc text; each tier then holds that ChunkKV and is
-read `--loads` times (every load checks the checksum, key, dtype and shape, and dequantizes int8).
+Real KV: the engine (SmolLM2-135M, fp32 by default) compiles pydoc text; each tier then holds that ChunkKV
+and is read `--loads` times (every load checks the checksum, key, dtype and shape, and dequantizes int8).
 "disk cold" drops the entry's pages from the page cache (posix_fadvise DONTNEED) before every load.
-Redis is a local redis-server (no persistence) on 127.0.0.1.
+Redis is a local redis-server (no persistence) on 127.0.0.1. Results: <out>/store.json and <out>/store.md.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command, machine, median, write  # noqa: E402
+from .common import command_line, corpus_chunks, machine, median, write
+
+FRESH_OFFSET = 160
 
 
 def drop_cache(path: Path) -> None:
@@ -30,27 +29,21 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--loads", type=int, default=20)
-    ap.add_argument("--compiles", type=int, default=5)
-    ap.add_argument("--chunk-tokens", type=int, default=512)
-    args = ap.parse_args()
-
+def run(engine, out: Path, model: str, loads: int = 20, compiles: int = 5, chunk_tokens: int = 512,
+        release: bool = False) -> dict:
+    """`release`: shut the engine down once the chunk is compiled, so that it is gone while the tiers are
+    timed (for an engine made for this benchmark alone)."""
     import torch
 
-    from epic_rag import EngineConfig, EpicEngine
-    from epic_rag.bench.latency import corpus_chunks
-    from epic_rag.store import DiskStore, open_store
-    from epic_rag.store.localredis import LocalRedis
+    from ..store import DiskStore, open_store
+    from ..store.localredis import LocalRedis
 
     load_before = os.getloadavg()
-    engine = EpicEngine(EngineConfig(model="smollm2-135m-instruct", dtype="float32", max_model_len=2048,
-                                     kv_cache_gib=1, max_num_seqs=4))
-    T = args.chunk_tokens
+    T = chunk_tokens
 
-    # Compile time of a fresh chunk (a new text each time: nothing cached).
-    texts = corpus_chunks(engine.tokenizer, args.compiles + 1, T)
+    # Compile time of a fresh chunk (a new text each time: nothing cached). The texts lie past those the
+    # other benchmarks compile (the link benchmark's reach 56 x 512 tokens), so a shared engine has none.
+    texts = corpus_chunks(engine.tokenizer, compiles + 1, T, offset=FRESH_OFFSET)
     engine.compile([texts[-1]])  # warm-up
     compile_s, refs = [], []
     for text in texts[:-1]:
@@ -59,10 +52,11 @@ def main() -> None:
         compile_s.append(time.perf_counter() - t0)
     kv = engine.store.get(refs[0].key)
     L, n_tok, H, D = kv.k.shape
-    info = {"layers": L, "tokens": n_tok, "kv_heads": H, "head_dim": D, "dtype": str(kv.k.dtype).removeprefix("torch."),
-            "kv_bytes": kv.nbytes}
+    info = {"layers": L, "tokens": n_tok, "kv_heads": H, "head_dim": D,
+            "dtype": str(kv.k.dtype).removeprefix("torch."), "kv_bytes": kv.nbytes}
     print(f"compiled {n_tok}-token chunks: median {median(compile_s):.3f}s; KV {kv.nbytes / 2**20:.1f} MiB", flush=True)
-    engine.shutdown()
+    if release:
+        engine.shutdown()
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp, LocalRedis(Path(tmp) / "redis") as redis:
@@ -83,17 +77,17 @@ def main() -> None:
             store.put(kv)
             stores.append((name, spec, mode, store, time.perf_counter() - t0, store.usage()[kv.key]))
         # Rounds interleave the tiers, so load from other jobs on the machine hits every tier alike.
-        loads: dict[str, list[float]] = {name: [] for name, *_ in stores}
+        load_s: dict[str, list[float]] = {name: [] for name, *_ in stores}
         last = {}
-        for _ in range(args.loads):
-            for name, spec, mode, store, _, _ in stores:
+        for _ in range(loads):
+            for name, _spec, mode, store, _, _ in stores:
                 if mode == "cold":
                     drop_cache(store._path(kv.key))
                 t0 = time.perf_counter()
                 last[name] = store.get(kv.key)
-                loads[name].append(time.perf_counter() - t0)
-        for name, spec, mode, store, put_s, size in stores:
-            got, ls = last[name], loads[name]
+                load_s[name].append(time.perf_counter() - t0)
+        for name, spec, _mode, store, put_s, size in stores:
+            got, ls = last[name], load_s[name]
             assert got is not None and got.k.dtype == kv.k.dtype and got.token_ids == kv.token_ids
             if got.quant == "none":
                 assert torch.equal(got.k, kv.k) and torch.equal(got.v, kv.v)
@@ -111,33 +105,33 @@ def main() -> None:
             store.close()
         load_after = os.getloadavg()
 
-    data = {"command": command(), "machine": machine(), "chunk": info,
+    data = {"command": command_line(), "machine": machine(), "model": model, "chunk": info,
             "loadavg_1m_before": load_before[0], "loadavg_1m_after": load_after[0],
-            "loads_per_tier": args.loads, "compile_s_median": median(compile_s), "compile_s": compile_s,
+            "loads_per_tier": loads, "compile_s_median": median(compile_s), "compile_s": compile_s,
             "tiers": rows}
     m = data["machine"]
-    md = [f"# Store benchmark: one {n_tok}-token SmolLM2-135M chunk (fp32 KV, {L} layers x {H} KV heads x {D})",
+    md = [f"# Store benchmark: one {n_tok}-token chunk ({model}; {info['dtype']} KV, {L} layers x {H} KV heads "
+          f"x {D})",
           "",
           f"Command: `{data['command']}`  ",
           f"Machine: {m['cpu']}, nproc {m['cores']}; date {m['date']}; commit {m['commit']}; "
           f"1-min load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (machine shared)  ",
-          f"Medians over {args.loads} loads per tier, tiers interleaved round by round (each load verifies the sha256 checksum, key, dtype and shape;",
-          "int8 loads also dequantize to fp32). Compile: median of "
-          f"{args.compiles} fresh chunks through `engine.compile` = **{median(compile_s):.3f} s** "
+          f"Medians over {loads} loads per tier, tiers interleaved round by round (each load verifies the sha256 "
+          "checksum, key, dtype and shape;",
+          f"int8 loads also dequantize to {info['dtype']}). Compile: median of "
+          f"{compiles} fresh chunks through `engine.compile` = **{median(compile_s):.3f} s** "
           f"(min {min(compile_s):.3f}, max {max(compile_s):.3f}).",
           "",
-          "| tier | load median (ms) | min | max | compile / load | bytes per token | KV rel. error (K / V) | put (ms) |",
+          "| tier | load median (ms) | min | max | compile / load | bytes per token | KV rel. error (K / V) "
+          "| put (ms) |",
           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['tier']} | {r['load_s_median'] * 1e3:.2f} | {r['load_s_min'] * 1e3:.2f} | "
                   f"{r['load_s_max'] * 1e3:.2f} | {r['speedup_vs_compile']:.0f}x | {r['bytes_per_token']:.0f} | "
                   f"{r['k_rel_err']:.4f} / {r['v_rel_err']:.4f} | {r['put_s'] * 1e3:.1f} |")
-    md += ["", f"Exact KV is {info['kv_bytes'] / n_tok:.0f} B/token in memory (fp32); files and Redis values add the "
-           "safetensors header and token ids. The memory tier returns the stored object (no copy, no check); "
-           "\"page cache\" disk loads read a file the OS already caches, \"cold\" ones read it from the device. "
-           "Machine shared with other jobs: timings are noisy; compare ratios.", ""]
-    write("store", data, "\n".join(md))
-
-
-if __name__ == "__main__":
-    main()
+    md += ["", f"Exact KV is {info['kv_bytes'] / n_tok:.0f} B/token in memory ({info['dtype']}); files and Redis "
+           "values add the safetensors header and token ids. The memory tier returns the stored object (no copy, "
+           "no check); \"page cache\" disk loads read a file the OS already caches, \"cold\" ones read it from the "
+           "device. Machine shared with other jobs: timings are noisy; compare ratios.", ""]
+    write(out, "store", data, "\n".join(md))
+    return data

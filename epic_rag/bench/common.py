@@ -1,0 +1,99 @@
+"""What every benchmark shares: machine facts and the command line for the record, result files
+(`<out>/<name>.json` + `<out>/<name>.md`), medians and percentiles, the pydoc text chunks the timings run
+on, and compiling chunks outside the timed runs."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+from ..corpus import pydoc_documents
+from ..policy import parse_policy
+
+# ---------------------------------------------------------------------- the record
+DEFAULT_OUT = Path("docs/bench")
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu,
+            "cores": os.cpu_count(), "python": platform.python_version(), "commit": commit}
+
+
+def command_line(module: str | None = None) -> str:
+    """The command that is running, as a reader would type it: `epic-rag ...`, or `.venv/bin/python -m
+    <module> ...` for a module run with -m."""
+    if module:
+        return " ".join([".venv/bin/python", "-m", module] + sys.argv[1:])
+    if sys.argv and sys.argv[0].endswith("epic-rag"):
+        return " ".join(["epic-rag"] + sys.argv[1:])
+    return " ".join(sys.argv)
+
+
+def save_json(out: Path, name: str, data) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def load_json(out: Path, name: str):
+    p = out / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def write(out: Path, name: str, data: dict, markdown: str) -> Path:
+    """`<out>/<name>.json` and `<out>/<name>.md`; the Markdown is printed too."""
+    save_json(out, name, data)
+    path = out / f"{name}.md"
+    path.write_text(markdown)
+    print(markdown)
+    return path
+
+
+# ---------------------------------------------------------------------- statistics
+def median(xs: list[float]) -> float:
+    """Median; NaN for no samples."""
+    return statistics.median(xs) if xs else float("nan")
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]); NaN for no samples."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+# ---------------------------------------------------------------------- inputs
+@lru_cache(maxsize=2)
+def _corpus_ids(tokenizer) -> list[int]:
+    """The pydoc corpus tokenized once per tokenizer (rendering and encoding it takes seconds)."""
+    return tokenizer.encode("\n\n".join(d.text for d in pydoc_documents()), add_special_tokens=False)
+
+
+def corpus_chunks(tokenizer, n: int, chunk_tokens: int, offset: int = 0) -> list[str]:
+    """`n` consecutive `chunk_tokens`-token pieces of the pydoc corpus, starting `offset` pieces in."""
+    ids = _corpus_ids(tokenizer)
+    need = (offset + n) * chunk_tokens
+    if need > len(ids):
+        raise ValueError(f"corpus has {len(ids)} tokens, {need} needed")
+    return [tokenizer.decode(ids[(offset + i) * chunk_tokens:(offset + i + 1) * chunk_tokens]) for i in range(n)]
+
+
+def compile_for(engine, chunks: list[str], policies) -> None:
+    """Compile chunks in every form the policies link (once per compile variant), outside timed runs."""
+    forms: dict[str, str] = {}
+    for p in policies:
+        pol = parse_policy(p)
+        if pol.links_chunks:
+            forms.setdefault(pol.compile_variant, p)
+    for p in forms.values():
+        engine.compile(chunks, policy=p)
