@@ -16,8 +16,7 @@ test: setup
 demo: setup
 	$(VENV)/epic-rag demo
 
-# Benchmarks (not tests): results land in bench/results/ and docs/bench/ with the commands that made them.
+# Benchmarks (not tests): every part (link, store, accuracy, sync, async, scaling) writes <part>.json and
+# Markdown into docs/bench/ with the command that made it.
 bench: setup
-	$(VENV)/python bench/bench_link.py
-	$(VENV)/python bench/bench_store.py
 	$(VENV)/epic-rag bench all --out docs/bench
