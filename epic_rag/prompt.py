@@ -1,4 +1,4 @@
-"""Render requests into segments, and segments into token ids with chunk spans.
+"""Prompt assembly: requests into segments, segments into token ids with the chunks' places.
 
 Chunk boundaries are token spans, never separator strings: every segment is tokenized on its own,
 so a chunk's tokens in the prompt are exactly the tokens it was compiled from.
@@ -6,8 +6,11 @@ so a chunk's tokens in the prompt are exactly the tokens it was compiled from.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from .types import Chunk, ChunkRef, RagRequest, Segment
+from .matching import ChunkTextIndex
+from .types import Chunk, ChunkRef, PlacedChunk, RagRequest, Segment
 
 DEFAULT_INSTRUCTION = "Read the documents and answer the question briefly.\n\n"
 
@@ -56,3 +59,48 @@ def encode_text(tokenizer, text: str) -> list[int]:
     except UnicodeEncodeError as e:   # a lone surrogate: the tokenizer would raise an opaque TypeError
         raise ValueError(f"text is not valid Unicode (lone surrogate at position {e.start})") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def to_segments(tokenizer, text_index: ChunkTextIndex, request: RagRequest | str | Sequence[Segment]) -> list[Segment]:
+    """A RagRequest is chat-templated; a prompt string a framework rendered is split on the compiled chunk
+    texts found in it; a list of segments is taken as it is."""
+    if isinstance(request, RagRequest):
+        return render_request(tokenizer, request)
+    if isinstance(request, str):
+        return text_index.split(request)
+    if isinstance(request, bytes) or not isinstance(request, Sequence):
+        raise ValueError("request must be a RagRequest, a prompt string or a list of segments "
+                         "(str | Chunk | ChunkRef)")
+    return list(request)
+
+
+@dataclass(slots=True)
+class Assembled:
+    """A prompt's token ids and where its chunks sit."""
+
+    token_ids: list[int]
+    chunks: list[PlacedChunk]
+
+
+def assemble(segments: Sequence[Segment], encode: Callable[[str], list[int]],
+             chunk_tokens: Callable[[Chunk | ChunkRef], PlacedChunk], max_model_len: int) -> Assembled:
+    """Tokenize glue with `encode` and place each chunk's tokens (from `chunk_tokens`, which may find them
+    without loading KV). Raises ValueError for an empty prompt or one that leaves no room to answer."""
+    ids: list[int] = []
+    placed: list[PlacedChunk] = []
+    for seg in segments:
+        if isinstance(seg, str):
+            ids += encode(seg)
+            continue
+        if not isinstance(seg, (Chunk, ChunkRef)):
+            raise ValueError(f"segment must be str, Chunk or ChunkRef, got {type(seg).__name__}")
+        chunk = chunk_tokens(seg)
+        chunk.start = len(ids)
+        placed.append(chunk)
+        ids += chunk.token_ids
+    if not ids:
+        raise ValueError("prompt is empty")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt of {len(ids)} tokens does not fit the context window "
+                         f"({max_model_len} tokens, one at least kept for the answer)")
+    return Assembled(ids, placed)

@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .policy import Policy
+
+if TYPE_CHECKING:
+    from .store import ChunkKV
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +38,28 @@ class RagRequest:
     question: str
     chunks: list[str | ChunkRef] = field(default_factory=list)
     system: str | None = None
+
+
+@dataclass(slots=True)
+class PlacedChunk:
+    """One chunk of a prepared prompt: its tokens at prompt positions [start, start + len(token_ids))."""
+
+    token_ids: list[int]
+    start: int = 0
+    kv: "ChunkKV | None" = None   # already loaded while finding the tokens (so not loaded twice)
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A request validated and tokenized once (`EpicEngine.prepare`); generate/stream take it as it is.
+    Nothing is compiled or loaded from the store until it is submitted."""
+
+    token_ids: list[int]
+    chunks: list[PlacedChunk]
+    policy: Policy
+    max_tokens: int
+    temperature: float
+    stop: list[str] | None = None
 
 
 @dataclass(slots=True)

@@ -54,7 +54,7 @@ def _engine_idle(engine, timeout: float) -> bool:
     """True once the engine has no request left (none registered in the runtime, none in vLLM)."""
     end = time.time() + timeout
     while time.time() < end:
-        if not engine.runtime._sinks and not engine._llm.has_unfinished_requests():
+        if engine.runtime.idle():
             return True
         time.sleep(0.05)
     return False
@@ -159,7 +159,7 @@ def test_disconnect_mid_stream_aborts_the_request_in_the_engine(server, smol_eng
                     if got == 3:
                         break
             assert got == 3
-            assert smol_engine.runtime._sinks        # still generating when the client goes away
+            assert smol_engine.runtime.in_flight()    # still generating when the client goes away
     t0 = time.time()
     assert _engine_idle(smol_engine, 5), "request still running in the engine after the client left"
     assert time.time() - t0 < 5                        # 400 tokens at ~20 tok/s would take ~20 s

@@ -16,9 +16,8 @@ import pytest
 from apps.demo.config import DemoConfig, open_demo_store
 from apps.demo.library import safe_upload_name
 from apps.demo.server import BackgroundServer, create_app
-from epic_rag.types import Delta
 from epic_rag.store import MemoryStore
-from epic_rag.types import ChunkRef, Generation, RagRequest
+from epic_rag.types import ChunkRef, Delta, Generation, RagRequest
 
 FACTS = {
     "bridge.txt": "The Larkspur Bridge opened in 1931. It crosses the Vell River and is 412 metres long.",
@@ -81,10 +80,17 @@ class FakeEngine:
         return [ChunkRef("plain-" + hashlib.sha256(t.encode()).hexdigest()[:40], len(self.tokenizer.encode(t)), t)
                 for t in texts]
 
-    async def astream_events(self, request, max_tokens=64, temperature=0.0, policy=None, stop=None):
-        if isinstance(request, RagRequest) and "FAIL" in request.question:
+    def render_messages(self, messages):
+        return [self.tokenizer.apply_chat_template(messages)]
+
+    def prepare(self, request, max_tokens=64, temperature=0.0, policy=None, stop=None):
+        return {"request": request, "max_tokens": max_tokens, "policy": policy}
+
+    async def astream_events(self, prepared):
+        request, max_tokens, policy = prepared["request"], prepared["max_tokens"], prepared["policy"]
+        if isinstance(request, RagRequest) and "FAIL" in request.question:   # an error while generating
             raise ValueError("prompt of 99999 tokens does not fit the context window")
-        self.requests.append({"request": request, "max_tokens": max_tokens, "policy": policy})
+        self.requests.append(prepared)
         self.active += 1
         t0 = time.perf_counter()
         ids, t_first = [], None

@@ -197,13 +197,13 @@ async def test_cancelling_during_setup_aborts_the_submitted_request(tiny_engine,
     ref = await tiny_engine.agenerate(req, max_tokens=1500, policy="legolink-4")
     if ref.finish_reason != "length" or ref.total_s < 3.0:
         pytest.skip("the tiny model stopped early: no long generation to cut short")
-    build = tiny_engine._build
+    link_spans = tiny_engine.chunks.link_spans
 
-    def slow_build(*a, **k):           # a setup that takes a while (as compiling a long chunk does)
+    def slow_link_spans(*a, **k):      # a setup that takes a while (as compiling a long chunk does)
         time.sleep(0.5)
-        return build(*a, **k)
+        return link_spans(*a, **k)
 
-    monkeypatch.setattr(tiny_engine, "_build", slow_build)
+    monkeypatch.setattr(tiny_engine.chunks, "link_spans", slow_link_spans)
     task = asyncio.ensure_future(tiny_engine.agenerate(req, max_tokens=1500, policy="legolink-4"))
     await asyncio.sleep(0.1)           # inside setup
     task.cancel()

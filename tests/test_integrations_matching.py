@@ -5,6 +5,7 @@ import pytest
 
 from epic_rag import ChunkRef, RagRequest
 from epic_rag.matching import ChunkTextIndex
+from epic_rag.prompt import to_segments
 
 A = "The Larkspur Bridge opened in 1931 and crosses the Vell River."
 B = "Tovin is a small town in the northern hills; its industry is wool."
@@ -68,7 +69,7 @@ def test_engine_links_compiled_chunks_found_in_a_rendered_string_prompt(tiny_eng
     g = tiny_engine.generate(prompt, max_tokens=4, policy="legolink-4")
     assert g.chunk_hits == 2 and g.chunk_misses == 0 and g.linked_tokens > 0
     # The same pieces given as explicit segments build the same prompt tokens.
-    segs = tiny_engine._segments(prompt)
+    segs = to_segments(tiny_engine.tokenizer, tiny_engine.text_index, prompt)
     assert [s.text for s in segs if isinstance(s, ChunkRef)] == TINY_CHUNKS[::-1]
     explicit = tiny_engine.generate(segs, max_tokens=4, policy="legolink-4")
     assert explicit.token_ids == g.token_ids and explicit.prompt_tokens == g.prompt_tokens

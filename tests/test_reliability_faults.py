@@ -120,7 +120,7 @@ class Load:
 
 
 def assert_clean(engine) -> None:
-    assert engine_idle(engine) and not BOARD._jobs and not BOARD._captures and engine.runtime.fatal is None
+    assert engine_idle(engine) and BOARD.pending() == (0, 0) and engine.runtime.fatal is None
 
 
 # ---------------------------------------------------------------------- Redis
@@ -409,7 +409,7 @@ def _disconnect_mid_stream(url: str) -> int:
 
 def _settled(server, tiny_engine) -> None:
     assert engine_idle(tiny_engine, 10), "the engine kept generating for a client that left"
-    assert not BOARD._jobs and not BOARD._captures
+    assert BOARD.pending() == (0, 0)
     end = time.monotonic() + 5
     while server.app.state.demo.active_chats and time.monotonic() < end:
         time.sleep(0.02)

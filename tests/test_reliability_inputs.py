@@ -48,7 +48,7 @@ def good_request() -> RagRequest:
 def engine_idle(engine, timeout: float = 10.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if not engine.runtime._sinks and not engine._llm.has_unfinished_requests():
+        if engine.runtime.idle():
             return True
         time.sleep(0.02)
     return False
@@ -64,7 +64,7 @@ def reference(tiny_engine) -> list[int]:
 def assert_unpoisoned(engine, reference: list[int]) -> None:
     """No leftovers from the bad request, and the good request still gives the reference tokens."""
     assert engine_idle(engine), "a request was left running in the engine"
-    assert not BOARD._jobs and not BOARD._captures, "a link job or KV capture was left on the board"
+    assert BOARD.pending() == (0, 0), "a link job or KV capture was left on the board"
     assert engine.runtime.fatal is None
     g = engine.generate(good_request(), max_tokens=NEW_TOKENS, temperature=0.0, policy="legolink-4")
     assert g.token_ids == reference

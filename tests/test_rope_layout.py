@@ -114,7 +114,7 @@ def test_a_layout_that_scrambles_data_fails_its_self_check():
 
 
 def test_chunk_keys_change_with_model_tokenizer_dtype_variant_and_tokens():
-    from epic_rag.engine.engine import chunk_key, kv_fingerprint
+    from epic_rag.keys import chunk_key, kv_fingerprint
 
     base = kv_fingerprint("model-a", "tok-a", "torch.float32")
     k = chunk_key(base, [1, 2, 3])
@@ -188,3 +188,45 @@ def test_cpu_kernel_attention_is_not_planned_outside_the_links_range_or_for_scat
     scattered = torch.arange(0, 2 * (CpuAttnLayout.MAX_KERNEL_RUNS + 1), 2)
     assert layout.attention_plan(cache, [0, 1, 2], scattered, 0, 300, attn) is None
     assert FlashAttnLayout().attention_plan(cache, [0, 1, 2], R, 0, 300, attn) is None
+
+
+def _amx_bf16() -> bool:
+    return torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probed_layout_learns_the_hand_coded_vec_packing(dtype):
+    from epic_rag.engine.layout import ProbedCpuAttnLayout
+
+    N, H, D = 32, 3, 64
+    probed, known = ProbedCpuAttnLayout("vec"), CpuAttnLayout("vec")
+    a, b = torch.zeros((6, H, N, 2 * D), dtype=dtype), torch.zeros((6, H, N, 2 * D), dtype=dtype)
+    k, v = torch.randn(100, H, D).to(dtype), torch.randn(100, H, D).to(dtype)
+    probed.write_range(a, [4, 1, 5, 0], 7, 107, k, v)
+    known.write_range(b, [4, 1, 5, 0], 7, 107, k, v)
+    assert torch.equal(a, b)
+    rk, rv = probed.read_range(b, [4, 1, 5, 0], 7, 107)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+    probed.self_check(a)
+
+
+@pytest.mark.skipif(not _amx_bf16(), reason="this CPU has no AMX tiles (vLLM packs bf16 for `amx` only there)")
+def test_amx_bf16_layout_is_probed_and_its_kernel_attention_equals_masked_attention():
+    from epic_rag.engine.layout import ProbedCpuAttnLayout
+
+    N, Hq, Hk, D, T = 32, 6, 2, 64, 100
+    layout, attn = ProbedCpuAttnLayout("amx"), _FakeAttn(Hq, Hk, D)
+    cache = torch.zeros((6, Hk, N, 2 * D), dtype=torch.bfloat16)
+    layout.self_check(cache)
+    block_ids = [3, 0, 5, 1]
+    K, V = torch.randn(T, Hk, D).to(torch.bfloat16), torch.randn(T, Hk, D).to(torch.bfloat16)
+    R = torch.cat([torch.arange(0, 3), torch.arange(40, 56), torch.arange(90, 100)])
+    cached = torch.ones(T, dtype=torch.bool)
+    cached[R] = False
+    layout.write_range(cache, block_ids, 0, T, torch.where(cached[:, None, None], K, 0.0), V)
+    plan = layout.attention_plan(cache, block_ids, R, 0, T, attn)
+    q = torch.randn(len(R), Hq, D).to(torch.bfloat16)
+    out = layout.attend(plan, attn, cache, q.view(len(R), -1), K[R].reshape(len(R), -1), V[R].reshape(len(R), -1))
+    ref = _reference_attention(q.float(), K.float(), V.float(), R, attn.impl.scale)
+    assert torch.allclose(out.view(len(R), Hq, D).float(), ref, atol=3e-2)
+    assert torch.equal(layout.read_range(cache, block_ids, 0, T)[0], K)

@@ -354,7 +354,6 @@ async def _plan(state: DemoState, body: ChatCompletionRequest, engine) -> _Plan:
     if not body.chunk_ids and body.use_retrieval and top_k > 0:
         state.metrics.retrieval.observe(retrieval_s)
 
-    tok = engine.tokenizer
     if picked:
         earlier = dialog[:-1][-cfg.history_messages:]
         if earlier:
@@ -362,18 +361,14 @@ async def _plan(state: DemoState, body: ChatCompletionRequest, engine) -> _Plan:
             question = f"{question}\n\n(Earlier in this conversation:\n{lines})"
         chunks = [c.ref if c.ref is not None and c.ref.key else c.text for c, _ in picked]
         req = RagRequest(question=question, chunks=chunks, system=system)
-        budget = len(tok.encode(question, add_special_tokens=False)) + 64 + sum(
-            c.ref.num_tokens if c.ref is not None and c.ref.key else len(tok.encode(c.text, add_special_tokens=False))
-            for c, _ in picked)
     else:
         msgs = ([{"role": "system", "content": system}] if system else []) + [
             {"role": m.role, "content": m.text} for m in dialog[-(cfg.history_messages + 1):]]
-        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        req = [text]
-        budget = len(tok.encode(text, add_special_tokens=False))
-    if budget >= engine.max_model_len:
-        raise HTTPException(400, f"prompt too long: about {budget} tokens with the retrieved chunks; the "
-                                 f"context window is {engine.max_model_len} (lower top_k or shorten messages)")
+        req = engine.render_messages(msgs)
+    try:   # validated and tokenized once, off the event loop; the engine's own check decides what fits
+        req = await asyncio.to_thread(engine.prepare, req, max_tokens, temperature, policy, body.stop_list)
+    except ValueError as e:
+        raise HTTPException(400, f"prompt too long or invalid: {e} (lower top_k or shorten messages)") from None
     sources = [{"n": i + 1, "id": c.id, "doc": c.doc, "index": c.index,
                 "score": None if s is None else round(s, 4),
                 "tokens": c.ref.num_tokens if c.ref is not None and c.ref.key else None,
@@ -396,16 +391,11 @@ def _usage(gen: Generation) -> dict:
     return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": n, "total_tokens": gen.prompt_tokens + n}
 
 
-def _events(engine, body: ChatCompletionRequest, plan: _Plan):
-    return engine.astream_events(plan.req, max_tokens=plan.max_tokens, temperature=plan.temperature,
-                                 policy=plan.policy, stop=body.stop_list)
-
-
 async def _complete(state: DemoState, engine, body: ChatCompletionRequest, plan: _Plan, request: Request):
     m = state.metrics
 
     async def collect() -> Generation:
-        async with contextlib.aclosing(_events(engine, body, plan)) as events:
+        async with contextlib.aclosing(engine.astream_events(plan.req)) as events:
             async for ev in events:
                 if isinstance(ev, Generation):
                     return ev
@@ -463,7 +453,7 @@ async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _
         yield chunk({"role": "assistant", "content": ""}, epic=_epic(plan, None))
         gen: Generation | None = None
         try:
-            async with contextlib.aclosing(_events(engine, body, plan)) as events:
+            async with contextlib.aclosing(engine.astream_events(plan.req)) as events:
                 async for ev in events:
                     if isinstance(ev, Generation):
                         gen = ev

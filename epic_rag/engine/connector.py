@@ -1,10 +1,15 @@
 """EpicConnector: LegoLink as an out-of-tree vLLM V1 KV connector, plus the worker extension.
 
-Scheduler side: a request whose params carry {"epic": {"link": job_id, "claim": n}} has its first n
-prompt tokens claimed as externally computed; vLLM computes the rest (question, template tail).
-A request carrying {"epic": {"capture": cap_id}} is a compile: after each step its freshly computed
-KV is copied out of the paged cache.
-Worker side: `start_load_kv` runs the linker for claimed spans; `wait_for_save` runs captures.
+vLLM builds one instance per role. Scheduler-side hooks (get_num_new_matched_tokens,
+update_state_after_alloc, build_connector_meta, request_finished) run in the scheduler, once per step;
+what they decide reaches the worker only through the EpicMeta they build. Worker-side hooks
+(register_kv_caches, start_load_kv, wait_for_save, ...) run in the model runner around each forward.
+
+- A request whose params carry {"epic": {"link": job_id, "claim": n}} has its first n prompt tokens
+  claimed as externally computed; `start_load_kv` fills their pages with the linker before the forward,
+  and vLLM computes the rest (question, template tail).
+- A request carrying {"epic": {"capture": cap_id}} is a compile: `wait_for_save` copies its freshly
+  computed KV out of the paged cache after the forward.
 """
 from __future__ import annotations
 
@@ -18,10 +23,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
+from . import rope, vllm_api
 from .board import BOARD
 from .layout import layout_for
-from .linker import Linker, _find_attention
-from .rope import KeyRotator
+from .linker import Linker
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +79,20 @@ class EpicConnector(KVConnectorBase_V1):
 
     # ---------------- scheduler side ----------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        """Scheduler, at start-up: the manager whose block tables build_connector_meta reads."""
         self._kvm = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Scheduler, when a waiting request is considered: how many prompt tokens beyond
+        `num_computed_tokens` (vLLM's own prefix-cache hits) this connector provides, and whether it loads
+        them asynchronously (never: links run synchronously before the forward). Reads the request only."""
         p = _epic_params(request)
         if not p or "link" not in p:
             return 0, False
         return max(int(p["claim"]) - num_computed_tokens, 0), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """Scheduler, after blocks were allocated for a request: remember what to load or capture for it."""
         p = _epic_params(request)
         if p is None:
             return
@@ -91,17 +101,16 @@ class EpicConnector(KVConnectorBase_V1):
             load_pending=num_external_tokens > 0)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        """Scheduler, once per step after scheduling: the loads (links, once per request) and captures
+        (each step of a compile's prefill) the worker must run in this step, with their block ids."""
         meta = EpicMeta()
         if not self._active:
             return meta
-        steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
-        cached = scheduler_output.scheduled_cached_reqs
-        steps += list(zip(cached.req_ids, cached.num_computed_tokens))
-        for req_id, num_computed in steps:
+        for req_id, num_computed in vllm_api.scheduled_steps(scheduler_output):
             st = self._active.get(req_id)
             if st is None:
                 continue
-            block_ids = list(self._kvm.get_blocks(req_id).get_block_ids()[0])
+            block_ids = vllm_api.block_ids_of(self._kvm, req_id)
             if st.load_pending:
                 meta.loads.append(LoadSpec(req_id, st.params["link"], block_ids,
                                            num_computed - st.n_ext, num_computed))
@@ -114,28 +123,34 @@ class EpicConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler, when a request finishes or is aborted: forget it; its blocks are freed at once
+        (False: nothing is saved asynchronously)."""
         self._active.pop(request.request_id, None)
         return False, None
 
     # ---------------- worker side ----------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Worker, once after the paged caches are allocated: layer name -> cache tensor."""
         self.kv_caches = kv_caches
 
     def attach(self, model: torch.nn.Module) -> dict[str, Any]:
-        """Bind the vLLM model, pick and self-check the KV layout, build the key rotator."""
+        """Not a vLLM hook: called once by the engine (through the worker extension) after start-up.
+        Binds the vLLM model, picks the KV layout and self-checks it, builds the key rotator and checks
+        it numerically against the model's own RoPE; any failure refuses to serve."""
         if not self.kv_caches:
             raise RuntimeError("KV caches are not registered yet")
-        first_layer = model.model.layers[getattr(model.model, "start_layer", 0)]
-        rotary = getattr(getattr(first_layer, "self_attn", None), "rotary_emb", None)
+        first_layer = vllm_api.decoder_layers(model)[0]
+        rotary = vllm_api.rotary_of(first_layer)
         if rotary is None:
-            from .rope import RopeError
-            raise RopeError(f"{type(model).__name__} has no rotary embedding: position-independent "
-                            "linking needs RoPE")
-        _, _, attn = _find_attention(first_layer)
+            raise rope.RopeError(f"{type(model).__name__} has no rotary embedding: position-independent "
+                                 "linking needs RoPE")
+        _, _, attn = vllm_api.find_attention(first_layer)
         layout = layout_for(attn)
         cache = self.kv_caches[attn.layer_name]
         layout.self_check(cache)
-        linker = Linker(model=model, kv_caches=self.kv_caches, layout=layout, rotator=KeyRotator(rotary),
+        rotator = rope.KeyRotator(rotary)
+        rope.self_check(rotator, rotary, attn.head_size, attn.num_kv_heads, cache.dtype)
+        linker = Linker(model=model, kv_caches=self.kv_caches, layout=layout, rotator=rotator,
                         block_size=self.block_size)
         if any(getattr(a.impl, "sliding_window", None) not in (None, -1, (-1, -1)) for _, _, a in linker.attn):
             raise RuntimeError("sliding-window attention drops tokens from chunk KV: not supported")
@@ -145,13 +160,16 @@ class EpicConnector(KVConnectorBase_V1):
                 "num_kv_heads": attn.num_kv_heads, "head_size": attn.head_size}
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        """Worker, before the step's forward: link every request in this step's loads (writes their
+        claimed pages in every layer). A failure is recorded on the job, never raised: the engine then
+        discards that request's answer before any token is passed on."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, EpicMeta):
             return
         for load in meta.loads:
             job = BOARD.job(load.job_id)
-            if job is None:
-                log.error("link job %s for %s is gone; its KV will be wrong and is flagged", load.job_id, load.req_id)
+            if job is None:   # the caller dropped it (cancelled); no one reads this request's output
+                log.error("link job %s for %s is gone; its pages were not filled", load.job_id, load.req_id)
                 continue
             try:
                 self.linker.link(job, load.block_ids, load.start, load.end)
@@ -160,12 +178,16 @@ class EpicConnector(KVConnectorBase_V1):
                 job.error = f"{type(e).__name__}: {e}"
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        """Worker, before each attention layer: nothing to wait for (links finish in start_load_kv)."""
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        """Worker, after each attention layer: captures copy whole requests in wait_for_save instead."""
         return
 
     def wait_for_save(self) -> None:
+        """Worker, after the step's forward: copy this step's freshly computed KV of compile requests
+        into their captures (the engine stores it once the request finishes)."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, EpicMeta):
             return
@@ -185,6 +207,4 @@ class EpicWorkerExtension:
     """Mixed into vLLM's Worker (worker_extension_cls): hands the model to the connector."""
 
     def epic_attach(self) -> dict[str, Any]:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        return get_kv_transfer_group().attach(self.model_runner.get_model())
+        return vllm_api.kv_connector().attach(vllm_api.worker_model(self))

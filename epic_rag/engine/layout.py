@@ -7,6 +7,9 @@ vLLM hands each attention layer one cache tensor with the logical shape [B, H, N
   *transposed* as [D, N] while V is [N, D]. Reading the last dim as K||V gives garbage. Writes go
   through vLLM's own `cpu_attn_reshape_and_cache` op, which knows each ISA's packing; reads use the
   known `vec`/`vec16` packing and are verified against that op at start-up.
+  Other ISAs (e.g. `amx`, chosen for bf16 on CPUs with AMX tiles) pack a block differently; their
+  packing is *probed* from vLLM's own write op at start-up (ProbedCpuAttnLayout) and must be a pure
+  permutation of the block's elements, or the engine refuses to serve.
 - FLASH_ATTN (CUDA): the logical view holds K = cache[..., :D], V = cache[..., D:] (strided views;
   `transpose(1, 2).split(D, -1)` in vLLM). NOT RUN ON A GPU HERE: its logic is tested on CPU tensors.
 
@@ -18,6 +21,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from . import vllm_api
 
 
 class LayoutError(RuntimeError):
@@ -126,8 +131,7 @@ class CpuAttnLayout(KVLayout):
         return flat[:, :, : N * D].view(B, H, D, N), flat[:, :, N * D:].view(B, H, N, D)
 
     def write(self, cache, slots, k, v) -> None:
-        from vllm import _custom_ops as ops
-
+        ops = vllm_api.cpu_ops()
         B, H, N, C = cache.shape
         kc, vc = cache.view(B, H, 2 * N, C // 2).chunk(2, dim=2)
         ops.cpu_attn_reshape_and_cache(k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous(), kc, vc,
@@ -183,9 +187,6 @@ class CpuAttnLayout(KVLayout):
             raise LayoutError(f"KV layout {self.name}: block reads differ from what was written")
 
     def attention_plan(self, cache, block_ids, R, start, end, attn):
-        from vllm import _custom_ops as ops
-        import vllm.envs as envs
-
         # Only positions this link owns may be written: [start, end) (below start are shared prefix blocks).
         if len(R) == 0 or int(R[0]) < start or int(R[-1]) >= end:
             return None
@@ -198,15 +199,14 @@ class CpuAttnLayout(KVLayout):
         N = cache.shape[2]
         nblk = -(-int(seq_lens[-1]) // N)
         bt = torch.as_tensor(block_ids[:nblk], dtype=torch.int32).expand(len(ends), nblk).contiguous()
-        sched = ops.cpu_attn_get_scheduler_metadata(
+        sched = vllm_api.cpu_ops().cpu_attn_get_scheduler_metadata(
             num_reqs=len(ends), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_size, seq_lens=seq_lens, dtype=cache.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=self.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
+            head_dim=attn.head_size, seq_lens=seq_lens, dtype=cache.dtype, query_start_loc=qsl, causal=True,
+            sliding_window_size=-1, isa=self.isa, enable_kv_split=vllm_api.cpu_attn_split_kv())
         return CpuAttnPlan(slots_for(block_ids, R.cpu(), N), qsl, seq_lens, bt, sched)
 
     def attend(self, plan, attn, cache, q, k, v):
-        from vllm import _custom_ops as ops
-
+        ops = vllm_api.cpu_ops()
         impl = attn.impl
         B, H, N, C = cache.shape
         kc, vc = cache.view(B, H, 2 * N, C // 2).chunk(2, dim=2)
@@ -228,6 +228,82 @@ class CpuAttnLayout(KVLayout):
         return kview[b, :, :, o].clone(), vview[b, :, o, :].clone()   # adv-index -> [n, H, D]
 
 
+class ProbedCpuAttnLayout(CpuAttnLayout):
+    """A CPU_ATTN ISA whose block packing is not hand-coded (e.g. `amx`): learnt from vLLM's own write op.
+
+    Tokens are written through the op with values that encode, pass by pass, their position in the block,
+    their head, their dim and K-vs-V (each code exact in bf16); where each element lands gives, per block,
+    the flat index of every (token, head, dim) of K and of V. Reads gather and block writes scatter
+    through those indices. Anything but a one-to-one placement is refused.
+    """
+
+    def __init__(self, isa: str) -> None:
+        self.isa = isa
+        self.name = f"cpu_attn/{isa} (probed)"
+        self._maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _index(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat indices into one block (cache[b].view(-1)) of K and V.  # -> k_idx, v_idx: [N, H, D] int64"""
+        _, H, N, C = cache.shape
+        D = C // 2
+        key = (cache.dtype, H, N, C)
+        if key in self._maps:
+            return self._maps[key]
+        t, h, d = torch.meshgrid(torch.arange(N), torch.arange(H), torch.arange(D), indexing="ij")   # [N, H, D]
+        codes = []
+        # K and V get different codes in every pass but the last, so one write op places both.
+        for kc, vc in ((t + 1, -(t + 1)), (h + 1, -(h + 1)), (d - D // 2, d - D // 2), (t * 0 + 1, t * 0 + 2)):
+            scratch = torch.full((1, H, N, C), float("nan"), dtype=cache.dtype)
+            super().write(scratch, torch.arange(N), kc.to(cache.dtype), vc.to(cache.dtype))
+            codes.append(scratch.view(-1).float())
+        ct, ch, cd, ckv = codes
+        if not bool(torch.isfinite(ckv).all()):
+            raise LayoutError(f"KV layout {self.name}: the cache op leaves block elements unwritten")
+        out = []
+        for which in (1.0, 2.0):
+            sel = torch.nonzero(ckv == which).flatten()
+            tt, hh, dd = ct[sel].abs() - 1, ch[sel].abs() - 1, cd[sel] + D // 2
+            idx = torch.full((N, H, D), -1, dtype=torch.int64)
+            idx[tt.long(), hh.long(), dd.long()] = sel
+            if len(sel) != N * H * D or bool((idx < 0).any()):
+                raise LayoutError(f"KV layout {self.name}: the cache op's packing is not a permutation")
+            out.append(idx)
+        self._maps[key] = out[0], out[1]
+        return self._maps[key]
+
+    def read(self, cache, slots):
+        k_idx, v_idx = self._index(cache)
+        N = cache.shape[2]
+        flat = cache.view(cache.shape[0], -1)
+        b, o = (slots // N)[:, None, None], slots % N
+        return flat[b, k_idx[o]], flat[b, v_idx[o]]                      # [n, H, D] each
+
+    def write_range(self, cache, block_ids, start, end, k, v) -> None:
+        edges, first, last = self._split(start, end, cache.shape[2])
+        for a, b in edges:
+            KVLayout.write_range(self, cache, block_ids, a, b, k[a - start: b - start], v[a - start: b - start])
+        k_idx, v_idx = self._index(cache)
+        N = cache.shape[2]
+        flat = cache.view(cache.shape[0], -1)
+        for j in range(first, last):
+            t = j * N - start
+            flat[block_ids[j]][k_idx] = k[t: t + N].to(cache.dtype)
+            flat[block_ids[j]][v_idx] = v[t: t + N].to(cache.dtype)
+
+    def read_range_into(self, cache, block_ids, start, end, k_out, v_out) -> None:
+        edges, first, last = self._split(start, end, cache.shape[2])
+        for a, b in edges:
+            KVLayout.read_range_into(self, cache, block_ids, a, b, k_out[a - start: b - start],
+                                     v_out[a - start: b - start])
+        k_idx, v_idx = self._index(cache)
+        N = cache.shape[2]
+        flat = cache.view(cache.shape[0], -1)
+        for j in range(first, last):
+            t = j * N - start
+            k_out[t: t + N].copy_(flat[block_ids[j]][k_idx])
+            v_out[t: t + N].copy_(flat[block_ids[j]][v_idx])
+
+
 class FlashAttnLayout(KVLayout):
     """CUDA FlashAttention: logical [B, H, N, 2D] with K = [..., :D] and V = [..., D:]."""
 
@@ -247,9 +323,10 @@ class FlashAttnLayout(KVLayout):
 
 def layout_for(attn_layer: torch.nn.Module) -> KVLayout:
     """Pick the accessor for a vLLM Attention module's backend, or raise LayoutError."""
-    backend = type(getattr(attn_layer, "impl", None)).__name__
+    backend = vllm_api.attention_backend(attn_layer)
     if backend == "CPUAttentionBackendImpl":
-        return CpuAttnLayout(getattr(attn_layer, "isa", "?"))
+        isa = getattr(attn_layer, "isa", "?")
+        return CpuAttnLayout(isa) if isa in CpuAttnLayout.READABLE_ISAS else ProbedCpuAttnLayout(isa)
     if backend == "FlashAttentionImpl":
         return FlashAttnLayout()
     raise LayoutError(f"attention backend {backend} is not supported by the linker "

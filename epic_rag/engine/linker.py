@@ -22,54 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..policy import Policy
-from ..store import ChunkKV
+from . import vllm_api
+from .board import LinkJob
 from .layout import KVLayout
 from .rope import KeyRotator
 
 CHECK_LAYER = 1  # CacheBlend selects its tokens from the deviation at this layer
 ATTN_BUCKET = 256  # recompute queries are grouped by position // ATTN_BUCKET for the sparse attention
-
-
-@dataclass(slots=True)
-class LinkSpan:
-    start: int          # first prompt position of the chunk
-    kv: ChunkKV
-    exact: bool = False  # KV already exact here (a leading prefix compiled at position 0): never recomputed
-
-
-@dataclass(slots=True)
-class LinkJob:
-    """Everything the worker needs to link one request (held in-process, referenced by job_id)."""
-
-    job_id: str
-    token_ids: list[int]           # prompt[:claim]
-    spans: list[LinkSpan]
-    policy: Policy
-    recomputed: int = 0            # filled by the linker: tokens recomputed in the last layer
-    error: str | None = None
-
-    def initial_recompute(self) -> torch.Tensor:
-        """Sorted positions recomputed from layer 0 on.  # -> [nR] int64"""
-        T = len(self.token_ids)
-        cached = torch.zeros(T, dtype=torch.bool)
-        head = torch.zeros(T, dtype=torch.bool)
-        for s in self.spans:
-            cached[s.start: s.start + s.kv.num_tokens] = True
-            if self.policy.kind == "legolink" and not s.exact:
-                head[s.start: s.start + min(self.policy.k, s.kv.num_tokens)] = True
-        if self.policy.kind == "cacheblend":
-            return torch.arange(T)
-        return torch.nonzero(~cached | head).flatten()
-
-    def masks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cached, candidate): positions with cached KV, and those a blend may choose to recompute."""
-        T = len(self.token_ids)
-        cached = torch.zeros(T, dtype=torch.bool)
-        candidate = torch.zeros(T, dtype=torch.bool)
-        for s in self.spans:
-            cached[s.start: s.start + s.kv.num_tokens] = True
-            candidate[s.start: s.start + s.kv.num_tokens] = not s.exact
-        return cached, candidate
 
 
 class _LinkAttention(torch.nn.Module):
@@ -128,15 +87,6 @@ class _LinkAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(-1, Hq * D).to(q.dtype)
 
 
-def _find_attention(layer: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.Module]:
-    """(parent, attribute name, module) of the vLLM Attention inside a decoder layer."""
-    for name, mod in layer.named_modules():
-        if type(mod).__name__ == "Attention" and hasattr(mod, "impl"):
-            parent_name, _, attr = name.rpartition(".")
-            return layer.get_submodule(parent_name), attr, mod
-    raise RuntimeError(f"no vLLM Attention module in {type(layer).__name__}")
-
-
 @dataclass
 class Linker:
     """Worker-side linker over one vLLM model (attached once, after the KV caches exist)."""
@@ -150,11 +100,9 @@ class Linker:
     attn: list[tuple[torch.nn.Module, str, torch.nn.Module]] = field(init=False)
 
     def __post_init__(self) -> None:
-        inner = self.model.model
-        self.layers = list(inner.layers)[inner.start_layer: inner.end_layer] if hasattr(inner, "start_layer") \
-            else list(inner.layers)
-        self.attn = [_find_attention(layer) for layer in self.layers]
-        self._embed = getattr(inner, "embed_input_ids", None) or inner.embed_tokens
+        self.layers = vllm_api.decoder_layers(self.model)
+        self.attn = [vllm_api.find_attention(layer) for layer in self.layers]
+        self._embed = vllm_api.embed_fn(self.model)
 
     def _workspace(self, numel: int, device) -> torch.Tensor:
         ws = getattr(self, "_ws", None)
@@ -204,7 +152,7 @@ class Linker:
                                       paged=None if layer_plan is None else (self.layout, layer_plan, cache))
                 setattr(parent, attr, shim)
                 try:
-                    h, residual = layer(R, h, residual)
+                    h, residual = vllm_api.decoder_layer_forward(layer, R, h, residual)
                 finally:
                     setattr(parent, attr, real)
                 if blend and li == CHECK_LAYER:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from . import vllm_api
+
 # vLLM rotary classes with a static per-position table (delta rotation is exact). Dynamic-NTK,
 # MRoPE, LongRoPE (switches tables with length) and dual-chunk variants are refused.
 SHIFTABLE_ROPES = frozenset({
@@ -31,11 +33,7 @@ class KeyRotator:
                             f"{', '.join(sorted(SHIFTABLE_ROPES))}")
         self.rotary_dim = int(rotary.rotary_dim)
         self.is_neox = bool(rotary.is_neox_style)
-        try:
-            table = rotary._compute_cos_sin_cache()   # fp32 recompute of the model's own table
-        except Exception:  # pragma: no cover - older layouts
-            table = rotary.cos_sin_cache
-        cos, sin = table.float().chunk(2, dim=-1)       # cos, sin: [P, rot/2]
+        cos, sin = vllm_api.rotary_table(rotary).chunk(2, dim=-1)   # cos, sin: [P, rot/2]
         norm = torch.sqrt(cos * cos + sin * sin)
         self.cos, self.sin = cos / norm, sin / norm
         self.max_position = cos.shape[0]
@@ -44,10 +42,12 @@ class KeyRotator:
         """k: [..., T, H, D] post-RoPE keys -> the same keys rotated by `delta` positions (fp32)."""
         if delta == 0:
             return k.float()
-        if not 0 < delta < self.max_position:
-            raise RopeError(f"position shift {delta} outside the rotary table (0..{self.max_position - 1})")
-        cos, sin = self.cos[delta], self.sin[delta]     # [rot/2]
+        if not abs(delta) < self.max_position:
+            raise RopeError(f"position shift {delta} outside the rotary table (|shift| < {self.max_position})")
+        # R(-d) = R(d) transposed: same cos, negated sin (a chunk compiled behind sink tokens may land at 0).
+        cos, sin = self.cos[abs(delta)], self.sin[abs(delta)] * (1.0 if delta > 0 else -1.0)   # [rot/2]
         k = k.float()
+        cos, sin = cos.to(k.device), sin.to(k.device)
         rot = self.rotary_dim
         x, rest = k[..., :rot], k[..., rot:]
         if self.is_neox:
@@ -57,3 +57,22 @@ class KeyRotator:
             x1, x2 = x[..., 0::2], x[..., 1::2]
             out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+def self_check(rotator: KeyRotator, rotary: torch.nn.Module, head_size: int, num_kv_heads: int,
+               dtype: torch.dtype) -> None:
+    """Keys rotated by the model's own rotary code at positions p..p+T-1 must equal keys rotated at 0..T-1
+    and then shifted by p with `rotator`: the linker's whole premise, checked numerically at start-up."""
+    g = torch.Generator().manual_seed(7)
+    T, shift = 8, 1000 % rotator.max_position
+    k = torch.randn((T, num_kv_heads, head_size), generator=g)              # k: [T, Hkv, D] pre-RoPE
+    pos = torch.arange(T)
+    at0 = vllm_api.rope_reference(rotary, pos, k)
+    want = vllm_api.rope_reference(rotary, pos + shift, k)
+    got = rotator.rotate(at0, shift)
+    err = float((got - want).abs().max())
+    # The model runs in `dtype` (its rotary code may round to it): allow a few of its roundings, far below
+    # what a wrong rotation gives (errors of the keys' own size).
+    if not err < max(1e-4, 8 * torch.finfo(dtype).eps) * max(1.0, float(want.abs().max())):
+        raise RopeError(f"key re-rotation differs from the model's own RoPE by {err:.3g} "
+                        f"({type(rotary).__name__}): refusing to link")

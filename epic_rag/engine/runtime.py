@@ -10,10 +10,12 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..types import Delta
+from . import vllm_api
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,25 @@ class Runtime:
             raise RuntimeError(f"engine stopped after a fatal error: {self.fatal}")
         self._inbox.put(_Pending(req_id, prompt, params, sink))
         self._wake.set()
+
+    def submit_tokens(self, prompt_ids: list[int], sink: Callable[[Delta | BaseException], None], *,
+                      max_tokens: int, temperature: float = 0.0, salt: str | None = None,
+                      kv_params: dict | None = None, stop: list[str] | None = None, seed: int | None = None) -> str:
+        """Submit a tokenized prompt; returns its request id. A fresh `salt` (the default) keeps its KV out
+        of everyone else's prefix-cache hits."""
+        prompt, params = vllm_api.request_inputs(prompt_ids, salt or uuid.uuid4().hex, max_tokens, temperature,
+                                                 stop, seed, kv_params)
+        req_id = uuid.uuid4().hex
+        self.submit(req_id, prompt, params, sink)
+        return req_id
+
+    def idle(self) -> bool:
+        """True when no request is in flight: none waiting for output here, none unfinished in vLLM."""
+        return not self._sinks and not self.llm.has_unfinished_requests()
+
+    def in_flight(self) -> int:
+        """Requests submitted and not finished (their output still streams to a sink)."""
+        return len(self._sinks)
 
     def abort(self, req_id: str) -> None:
         self._inbox.put(("abort", req_id))

@@ -338,11 +338,7 @@ def compile_documents(documents: Sequence[Document], engine: Any = None, policy:
     """Compile the Documents' page_content (at ingest), so prompts that insert them verbatim link them and
     chains that pass them as chunks find them compiled. Returns the refs in input order."""
     eng = adopt_engine(engine) if engine is not None else shared_engine()
-    texts = [d.page_content for d in documents]
-    refs: list[ChunkRef] = []
-    for i in range(0, len(texts), batch_size):
-        refs += eng.compile(texts[i:i + batch_size], policy=policy)
-    return refs
+    return eng.compile([d.page_content for d in documents], policy=policy, batch_size=batch_size)
 
 
 def create_epic_rag_chain(retriever: Any, engine: Any = None, *, llm: ChatEpic | None = None,

@@ -258,8 +258,7 @@ class EpicChunkCompiler(TransformComponent):
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         texts = list(dict.fromkeys(t for t in (node_llm_text(n) for n in nodes) if t))
-        for i in range(0, len(texts), self.batch_size):
-            self.engine.compile(texts[i:i + self.batch_size], policy=self.policy)
+        self.engine.compile(texts, policy=self.policy, batch_size=self.batch_size)
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:

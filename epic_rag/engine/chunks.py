@@ -1,0 +1,190 @@
+"""Chunk resolution: find each chunk's tokens and KV, compiling the missing ones in vLLM batches.
+
+Compile = a chunk submitted to vLLM as an ordinary request (max_tokens=1, behind the variant's sink
+tokens); the connector copies its freshly computed KV out of the paged cache into a Capture after the
+step, and the result is stored. Many callers wanting the same missing chunk compile it once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from ..keys import chunk_key
+from ..policy import DUMMY_PREFIX_LEN, Policy
+from ..prompt import check_chunk_text, encode_text
+from ..store import ChunkKV, ChunkStore
+from ..types import Chunk, ChunkRef, PlacedChunk
+from .board import BOARD, Capture, LinkSpan
+from .runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+MIN_EXACT_PREFIX = 8        # shorter leading glue is simply recomputed
+TOKEN_INDEX_SIZE = 100_000  # chunk key -> token ids remembered, so `full` never loads KV to read tokens
+
+
+class ChunkResolver:
+    """Tokens and KV of chunks for one engine (model, tokenizer and KV dtype fixed by `fingerprint`)."""
+
+    def __init__(self, store: ChunkStore, runtime: Runtime, tokenizer, fingerprint: str, kv_info: dict,
+                 max_model_len: int) -> None:
+        self.store, self.runtime, self.tokenizer = store, runtime, tokenizer
+        self.fingerprint, self.kv_info, self.max_model_len = fingerprint, kv_info, max_model_len
+        bos = tokenizer.bos_token_id
+        self.sink_token = bos if bos is not None else tokenizer.eos_token_id
+        self._inflight: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._tokens: OrderedDict[str, list[int]] = OrderedDict()
+
+    def key(self, token_ids: Sequence[int], variant: str) -> str:
+        return chunk_key(self.fingerprint, token_ids, variant)
+
+    def chunk_tokens(self, text: str) -> list[int]:
+        ids = encode_text(self.tokenizer, check_chunk_text(text))
+        if not ids:
+            raise ValueError("chunk text encodes to no tokens")
+        if len(ids) + DUMMY_PREFIX_LEN + 1 >= self.max_model_len:
+            raise ValueError(f"chunk of {len(ids)} tokens exceeds the context window ({self.max_model_len})")
+        return ids
+
+    def remember(self, key: str, token_ids: list[int]) -> None:
+        with self._lock:
+            self._tokens[key] = token_ids
+            self._tokens.move_to_end(key)
+            while len(self._tokens) > TOKEN_INDEX_SIZE:
+                self._tokens.popitem(last=False)
+
+    def place(self, seg: Chunk | ChunkRef) -> PlacedChunk:
+        """A chunk's tokens, found without loading its KV where possible: the token index, then the ref's
+        text; only a bare key of a chunk compiled elsewhere is read from the store."""
+        if isinstance(seg, Chunk):
+            return PlacedChunk(self.chunk_tokens(seg.text))
+        with self._lock:
+            ids = self._tokens.get(seg.key)
+        if ids is not None:
+            return PlacedChunk(ids)
+        if seg.text is not None:
+            return PlacedChunk(self.chunk_tokens(seg.text))
+        kv = self.store.get(seg.key)
+        if kv is None:
+            raise ValueError(f"chunk {seg.key!r} is not in the store and carries no text to recompile")
+        self.remember(seg.key, kv.token_ids)
+        return PlacedChunk(kv.token_ids, kv=kv)
+
+    def compile(self, texts: Sequence[str], variant: str, batch_size: int) -> list[ChunkRef]:
+        """Compile chunk texts not stored yet, `batch_size` per vLLM batch; refs in input order."""
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        toks = [self.chunk_tokens(t) for t in texts]
+        keys = [self.key(tk, variant) for tk in toks]
+        # An existence check, not a load: re-compiling a stored corpus must not read all its KV back.
+        missing = [(tk, variant) for tk, key in zip(toks, keys) if not self.store.contains(key)]
+        for i in range(0, len(missing), batch_size):
+            self.resolve(missing[i: i + batch_size])
+        for key, tk in zip(keys, toks):
+            self.remember(key, tk)
+        return [ChunkRef(key, len(tk), t) for key, tk, t in zip(keys, toks, texts)]
+
+    def link_spans(self, token_ids: list[int], chunks: list[PlacedChunk],
+                   policy: Policy) -> tuple[list[LinkSpan], int]:
+        """The spans a request links under `policy`, compiling what is missing; and how many chunks were
+        compiled here (misses)."""
+        variant = policy.compile_variant
+        wanted = [(c.token_ids, variant) for c in chunks]
+        known = {c.kv.key: c.kv for c in chunks if c.kv is not None}
+        kvs, misses = self.resolve(wanted, known)
+        spans = [LinkSpan(c.start, kv) for c, kv in zip(chunks, kvs)]
+        # The glue before the first chunk (system prompt, instructions) sits at position 0 with no context
+        # before it: its compiled KV is exact, so it is linked like a chunk and never recomputed.
+        lead = chunks[0].start
+        if lead >= MIN_EXACT_PREFIX:
+            (prefix_kv,), _ = self.resolve([(token_ids[:lead], "plain")])
+            spans.insert(0, LinkSpan(0, prefix_kv, exact=True))
+        return spans, misses
+
+    def resolve(self, wanted: list[tuple[list[int], str]],
+                known: dict[str, ChunkKV] | None = None) -> tuple[list[ChunkKV], int]:
+        """Every chunk's KV (from `known`, already loaded, or the store), compiling the missing ones in one
+        vLLM batch (single flight). Returns the KVs in order and how many were compiled here."""
+        results: list[ChunkKV | None] = [None] * len(wanted)
+        waits: list[tuple[int, Future]] = []
+        mine: dict[str, tuple[Future, list[int], str]] = {}
+        for i, (tokens, variant) in enumerate(wanted):
+            key = self.key(tokens, variant)
+            kv = (known or {}).get(key) or self.store.get(key)
+            if kv is not None:
+                results[i] = kv
+                continue
+            with self._lock:
+                fut = self._inflight.get(key)
+                if fut is None:
+                    fut = Future()
+                    self._inflight[key] = fut
+                    mine[key] = (fut, tokens, variant)
+            waits.append((i, fut))
+        if mine:
+            self._compile_batch(mine)
+        for i, fut in waits:
+            results[i] = fut.result()
+        return results, len(mine)  # type: ignore[return-value]
+
+    def _compile_batch(self, todo: dict[str, tuple[Future, list[int], str]]) -> None:
+        info = self.kv_info
+        L, H, D = info["num_layers"], info["num_kv_heads"], info["head_size"]
+        kv_dtype = getattr(torch, info["kv_dtype"].removeprefix("torch."))
+        done: list[tuple[str, str, Capture, list[int], Future, threading.Event]] = []
+        try:
+            for key, (fut, tokens, variant) in todo.items():
+                offset = DUMMY_PREFIX_LEN if variant.startswith("dummy") else 0
+                cap = Capture(k=torch.empty((L, len(tokens), H, D), dtype=kv_dtype),
+                              v=torch.empty((L, len(tokens), H, D), dtype=kv_dtype), offset=offset)
+                cap_id = uuid.uuid4().hex
+                BOARD.post_capture(cap_id, cap)
+                ev = threading.Event()
+                done.append((key, cap_id, cap, tokens, fut, ev))
+                self.runtime.submit_tokens([self.sink_token] * offset + tokens, event_sink(ev), max_tokens=1,
+                                           kv_params={"epic": {"capture": cap_id}})
+            for key, cap_id, cap, tokens, fut, ev in done:
+                ev.wait()
+                BOARD.pop_capture(cap_id)
+                err = getattr(ev, "error", None) or cap.error
+                if err is None and cap.filled_to < cap.offset + len(tokens):
+                    err = f"captured {cap.filled_to - cap.offset} of {len(tokens)} tokens"
+                if err is not None:
+                    raise RuntimeError(f"compiling chunk {key} failed: {err}")
+                kv = ChunkKV(key=key, token_ids=tokens, k=cap.k, v=cap.v, base_pos=cap.offset)
+                try:
+                    self.store.put(kv)
+                except Exception:
+                    log.exception("storing chunk %s failed; serving it from this compile", key)
+                self.remember(key, tokens)
+                fut.set_result(kv)
+        except BaseException as e:
+            for _, _, _, _, fut, _ in done:
+                if not fut.done():
+                    fut.set_exception(e)
+            for fut, _, _ in todo.values():
+                if not fut.done():
+                    fut.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                for key in todo:
+                    self._inflight.pop(key, None)
+
+
+def event_sink(ev: threading.Event) -> Callable:
+    """A runtime sink that only signals the request's end (or its error, as `ev.error`)."""
+    def sink(d):
+        if isinstance(d, BaseException):
+            ev.error = f"{type(d).__name__}: {d}"  # type: ignore[attr-defined]
+            ev.set()
+        elif d.finished:
+            ev.set()
+    return sink

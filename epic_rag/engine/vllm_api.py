@@ -1,0 +1,168 @@
+"""Every place epic_rag touches vLLM 0.32, in one module: re-check these on a vLLM upgrade.
+
+Public API (stable across releases), used through the functions below:
+- `EngineArgs`, `KVTransferConfig`, `LLMEngine.from_engine_args` (new_llm_engine); `SamplingParams`,
+  `TokensPrompt` (request_inputs); `LLMEngine.add_request / step / abort_request /
+  has_unfinished_requests` (runtime.py, on the object new_llm_engine returns).
+- `KVConnectorBase_V1` and `KVConnectorMetadata` (connector.py subclasses them; hooks documented there).
+
+Internals (read from vLLM 0.32.0's source; nothing guarantees them):
+- decoder layers are called `layer(positions, hidden_states, residual) -> (hidden_states, residual)`
+  (decoder_layer_forward), and hold one `Attention` module with `.impl`, `.layer_name`, `num_heads`,
+  `num_kv_heads`, `head_size` (find_attention);
+- rotary modules expose `_compute_cos_sin_cache()`, `rotary_dim`, `is_neox_style` and a pure-torch
+  `forward_native(positions, query, key)` (rotary_table, rope_reference);
+- the CPU attention backend's ops `cpu_attn_reshape_and_cache`, `cpu_attention_with_kv_cache`,
+  `cpu_attn_get_scheduler_metadata` and `envs.VLLM_CPU_ATTN_SPLIT_KV`; backend impl class names
+  `CPUAttentionBackendImpl` / `FlashAttentionImpl` and the layer's `isa` (layout.py via cpu_ops);
+- the scheduler's `kv_cache_manager.get_blocks(req_id).get_block_ids()` and `SchedulerOutput`'s
+  `scheduled_new_reqs`, `scheduled_cached_reqs`, `num_scheduled_tokens` (scheduled_steps, block_ids_of);
+- `get_kv_transfer_group()` and `worker.model_runner.get_model()` (worker_model, kv_connector).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+CONNECTOR_MODULE = "epic_rag.engine.connector"
+
+
+def _cpu_has_fast_bf16() -> bool:
+    """vLLM's CPU bf16 kernels are fast only with AMX; with AVX-512/AVX2 bf16 measured ~4x slower than fp32."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags
+
+
+def prepare_process(config) -> str:
+    """Set the process environment vLLM reads at start-up; returns the dtype to run (config.dtype or, for
+    "auto", fp32 on CPUs without native bf16 and bf16 elsewhere)."""
+    # In-process engine core: the connector shares Python objects with the engine (see board.py).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(config.kv_cache_gib))
+    if config.dtype != "auto":
+        return config.dtype
+    return "bfloat16" if (not on_cpu or _cpu_has_fast_bf16()) else "float32"
+
+
+def new_llm_engine(model_dir: str, dtype: str, config) -> Any:
+    """vLLM's LLMEngine with EpicConnector as its KV connector and the worker extension mixed in."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(
+        model=model_dir, dtype=dtype, max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        enforce_eager=True, enable_prefix_caching=True, seed=config.seed,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        kv_transfer_config=KVTransferConfig(kv_connector="EpicConnector", kv_connector_module_path=CONNECTOR_MODULE,
+                                            kv_role="kv_both"),
+        worker_extension_cls=f"{CONNECTOR_MODULE}.EpicWorkerExtension",
+    )
+    return LLMEngine.from_engine_args(args)
+
+
+def request_inputs(prompt_ids: list[int], salt: str, max_tokens: int, temperature: float,
+                   stop: list[str] | str | None, seed: int | None, kv_params: dict | None) -> tuple[Any, Any]:
+    """(prompt, params) for LLMEngine.add_request: streamed as deltas, epic params in kv_transfer_params."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    extra = {"kv_transfer_params": kv_params} if kv_params else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop, seed=seed,
+                            output_kind=RequestOutputKind.DELTA, extra_args=extra)
+    return TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=salt), params
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """This worker's decoder layers (a pipeline stage holds a slice)."""
+    inner = model.model
+    layers = list(inner.layers)
+    return layers[inner.start_layer: inner.end_layer] if hasattr(inner, "start_layer") else layers
+
+
+def embed_fn(model: torch.nn.Module):
+    inner = model.model
+    return getattr(inner, "embed_input_ids", None) or inner.embed_tokens
+
+
+def decoder_layer_forward(layer: torch.nn.Module, positions: torch.Tensor, hidden: torch.Tensor,
+                          residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer on the hidden states of `positions` only.  # hidden: [n, hidden]"""
+    return layer(positions, hidden, residual)
+
+
+def find_attention(layer: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.Module]:
+    """(parent, attribute name, module) of the vLLM Attention inside a decoder layer."""
+    for name, mod in layer.named_modules():
+        if type(mod).__name__ == "Attention" and hasattr(mod, "impl"):
+            parent_name, _, attr = name.rpartition(".")
+            return layer.get_submodule(parent_name), attr, mod
+    raise RuntimeError(f"no vLLM Attention module in {type(layer).__name__}")
+
+
+def rotary_of(layer: torch.nn.Module) -> torch.nn.Module | None:
+    return getattr(getattr(layer, "self_attn", None), "rotary_emb", None)
+
+
+def rotary_table(rotary: torch.nn.Module) -> torch.Tensor:
+    """The model's own cos||sin table, recomputed in fp32.  # -> [max_position, rotary_dim]"""
+    try:
+        return rotary._compute_cos_sin_cache().float()
+    except Exception:  # pragma: no cover - older layouts
+        return rotary.cos_sin_cache.float()
+
+
+def rope_reference(rotary: torch.nn.Module, positions: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keys rotated by the model's own rotary code at `positions` (pure torch).  # k: [T, H, D] -> [T, H, D]"""
+    T, H, D = k.shape
+    q = torch.zeros((T, D), dtype=k.dtype, device=k.device)   # one dummy query head
+    _, out = rotary.forward_native(positions, q, k.reshape(T, H * D).clone())
+    return out.view(T, H, D)
+
+
+def attention_backend(attn: torch.nn.Module) -> str:
+    return type(getattr(attn, "impl", None)).__name__
+
+
+def cpu_ops():
+    """vLLM's custom op namespace (CPU attention cache write, kernel, scheduler metadata)."""
+    from vllm import _custom_ops as ops
+    return ops
+
+
+def cpu_attn_split_kv() -> bool:
+    import vllm.envs as envs
+    return bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
+
+
+def scheduled_steps(scheduler_output) -> list[tuple[str, int]]:
+    """(request id, tokens computed before this step) of every request scheduled in this step."""
+    steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+    cached = scheduler_output.scheduled_cached_reqs
+    return steps + list(zip(cached.req_ids, cached.num_computed_tokens))
+
+
+def block_ids_of(kv_cache_manager, req_id: str) -> list[int]:
+    return list(kv_cache_manager.get_blocks(req_id).get_block_ids()[0])
+
+
+def kv_connector():
+    """This worker's KV connector instance."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    return get_kv_transfer_group()
+
+
+def worker_model(worker) -> torch.nn.Module:
+    return worker.model_runner.get_model()
