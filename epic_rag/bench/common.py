@@ -60,6 +60,12 @@ def write(out: Path, name: str, data: dict, markdown: str) -> Path:
     return path
 
 
+def table(columns: list[str], rows: list[list]) -> list[str]:
+    """A Markdown table, one line per row."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + \
+        ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
 # ---------------------------------------------------------------------- statistics
 def median(xs: list[float]) -> float:
     """Median; NaN for no samples."""

@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .common import command_line, corpus_chunks, machine, median, write
+from .common import command_line, corpus_chunks, machine, median, table, write
 from .latency import COMPARED_POLICIES, sync_latency
 
 
@@ -75,17 +75,14 @@ def run(engine, out: Path, model: str, chunks: int = 8, chunk_tokens: int = 512,
           f"Command: `{data['command']}`  ", f"Machine: {mc['cpu']}, {mc['cores']} cores; "
           f"date {mc['date']}; commit {mc['commit']}  ",
           f"Medians over {reps} prompts (chunk order shuffled per prompt, same prompts for every policy), "
-          "max_tokens=1, policies interleaved.", "",
-          "| policy | TTFT median (s) | min | max | ratio to full | prompt tokens | recomputed | linked |",
-          "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        md.append(f"| {r['policy']} | {r['ttft_median_s']:.3f} | {r['ttft_min_s']:.3f} | {r['ttft_max_s']:.3f} | "
-                  f"{r['ratio_to_full']:.3f} | {r['prompt_tokens']} | {r['recomputed_tokens']} | "
-                  f"{r['linked_tokens']} |")
+          "max_tokens=1, policies interleaved.", ""]
+    md += table(["policy", "TTFT median (s)", "min", "max", "ratio to full", "prompt tokens", "recomputed", "linked"],
+                [[r["policy"], f"{r['ttft_median_s']:.3f}", f"{r['ttft_min_s']:.3f}", f"{r['ttft_max_s']:.3f}",
+                  f"{r['ratio_to_full']:.3f}", r["prompt_tokens"], r["recomputed_tokens"], r["linked_tokens"]]
+                 for r in rows])
     md += ["", f"Compile throughput: {data['compile_tokens_per_s_median']} tok/s; plain vLLM prefill of the same "
            f"token count: {data['plain_prefill_tokens_per_s_median']} tok/s; ratio {data['compile_vs_prefill']}.", ""]
     if targets:
-        md += ["| target | measured | met |", "|---|---|---|"] + [f"| {t} | {m} | {'yes' if ok else 'NO'} |"
-                                                               for t, m, ok in targets]
+        md += table(["target", "measured", "met"], [[t, m, "yes" if ok else "NO"] for t, m, ok in targets])
     write(out, "link", data, "\n".join(md) + "\n")
     return data

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import load_json
+from .common import load_json, table
 
 
 def _plots(out: Path, sync, asyn, acc) -> list[str]:
@@ -47,10 +47,7 @@ def _plots(out: Path, sync, asyn, acc) -> list[str]:
 
 def _section(title: str, note: str | None, columns: list[str], rows: list[list]) -> list[str]:
     """A Markdown section: heading, optional note, then one table."""
-    md = [f"## {title}", ""] + ([note, ""] if note else [])
-    md += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    md += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return md + [""]
+    return [f"## {title}", ""] + ([note, ""] if note else []) + table(columns, rows) + [""]
 
 
 def write_report(out: Path, title: str = "Benchmarks") -> Path:

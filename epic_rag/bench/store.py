@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import command_line, corpus_chunks, machine, median, write
+from .common import command_line, corpus_chunks, machine, median, table, write
 
 FRESH_OFFSET = 160
 
@@ -121,14 +121,12 @@ def run(engine, out: Path, model: str, loads: int = 20, compiles: int = 5, chunk
           f"int8 loads also dequantize to {info['dtype']}). Compile: median of "
           f"{compiles} fresh chunks through `engine.compile` = **{median(compile_s):.3f} s** "
           f"(min {min(compile_s):.3f}, max {max(compile_s):.3f}).",
-          "",
-          "| tier | load median (ms) | min | max | compile / load | bytes per token | KV rel. error (K / V) "
-          "| put (ms) |",
-          "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        md.append(f"| {r['tier']} | {r['load_s_median'] * 1e3:.2f} | {r['load_s_min'] * 1e3:.2f} | "
-                  f"{r['load_s_max'] * 1e3:.2f} | {r['speedup_vs_compile']:.0f}x | {r['bytes_per_token']:.0f} | "
-                  f"{r['k_rel_err']:.4f} / {r['v_rel_err']:.4f} | {r['put_s'] * 1e3:.1f} |")
+          ""]
+    md += table(["tier", "load median (ms)", "min", "max", "compile / load", "bytes per token", "KV rel. error (K / V)",
+                 "put (ms)"],
+                [[r["tier"], f"{r['load_s_median'] * 1e3:.2f}", f"{r['load_s_min'] * 1e3:.2f}",
+                  f"{r['load_s_max'] * 1e3:.2f}", f"{r['speedup_vs_compile']:.0f}x", f"{r['bytes_per_token']:.0f}",
+                  f"{r['k_rel_err']:.4f} / {r['v_rel_err']:.4f}", f"{r['put_s'] * 1e3:.1f}"] for r in rows])
     md += ["", f"Exact KV is {info['kv_bytes'] / n_tok:.0f} B/token in memory ({info['dtype']}); files and Redis "
            "values add the safetensors header and token ids. The memory tier returns the stored object (no copy, "
            "no check); \"page cache\" disk loads read a file the OS already caches, \"cold\" ones read it from the "
