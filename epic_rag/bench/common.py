@@ -95,11 +95,8 @@ def corpus_chunks(tokenizer, n: int, chunk_tokens: int, offset: int = 0) -> list
 
 
 def compile_for(engine, chunks: list[str], policies) -> None:
-    """Compile chunks in every form the policies link (once per compile variant), outside timed runs."""
-    forms: dict[str, str] = {}
-    for p in policies:
-        pol = parse_policy(p)
-        if pol.links_chunks:
-            forms.setdefault(pol.compile_variant, p)
-    for p in forms.values():
-        engine.compile(chunks, policy=p)
+    """Compile chunks in every form the policies link, outside timed runs. Policies that link the same
+    form find it in the store: only the first compiles."""
+    for p in dict.fromkeys(policies):
+        if parse_policy(p).links_chunks:
+            engine.compile(chunks, policy=p)
