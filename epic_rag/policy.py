@@ -1,4 +1,16 @@
-"""Link policies, parsed from strings such as "legolink-16" or "cacheblend-15"."""
+"""Link policies, parsed from strings such as "legolink-16", "legolink-epic-16" or "cacheblend-15".
+
+Every linking policy links the same compiled form of a chunk, so a corpus compiled once serves them all:
+the chunk compiled from position 0 behind SINK_LEN sink tokens (the tokenizer's BOS, or EOS where it has
+none), whose KV is kept in the stored record. Policies differ in whether the sink stays in the prompt:
+- kept (EPIC's reference form, also how EPIC's and CacheBlend's baselines compile chunks): the prompt holds
+  [sink] + chunk per chunk; `legolink-epic-<k>` recomputes the first k of those tokens (k counts the sink),
+  `naive` recomputes none, `cacheblend-<r>` blends them;
+- dropped (EPIC's LegoLink-0 recipe): the prompt holds the chunk's own tokens, whose KV was computed against
+  a real attention sink instead of making the chunk's first word the sink; `legolink-sink-<k>` recomputes
+  the first k chunk tokens, `legolink-0` none.
+`legolink-<k>` means the form named by DEFAULT_LEGOLINK_FORM (the better-measured one, see the README).
+"""
 from __future__ import annotations
 
 import re
@@ -6,21 +18,20 @@ from dataclasses import dataclass
 from typing import Literal
 
 Kind = Literal["full", "prefix", "naive", "legolink", "cacheblend"]
+Form = Literal["epic", "sink"]
 
-# LegoLink compiles every chunk behind this many dummy (BOS) tokens and drops their KV: the chunk's own
-# tokens are then computed against a real attention sink, as after the prompt's first token in a full
-# prefill, instead of making the chunk's first word the sink. EPIC's reference keeps each chunk's BOS
-# for the same reason (and its LegoLink-0 prepends 3 BOS). Naive and CacheBlend link chunks compiled
-# bare, from position 0, as those baselines do.
-DUMMY_PREFIX_LEN = 3
+SINK_LEN = 1                     # sink tokens compiled before every chunk (their KV is stored)
+CHUNK_VARIANT = f"sink{SINK_LEN}"  # the compile variant of every chunk (part of its key)
+DEFAULT_LEGOLINK_FORM: Form = "sink"
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
     name: str
     kind: Kind
-    k: int = 0            # legolink: tokens recomputed at the head of each chunk
-    ratio: float = 0.0    # cacheblend: fraction of chunk tokens recomputed after the check layer
+    k: int = 0                  # legolink: tokens recomputed at the head of each chunk's span
+    ratio: float = 0.0          # cacheblend: fraction of chunk tokens recomputed after the check layer
+    form: Form | None = None    # legolink: which compiled form it links (see the module docstring)
 
     @property
     def links_chunks(self) -> bool:
@@ -28,22 +39,26 @@ class Policy:
         return self.kind in ("naive", "legolink", "cacheblend")
 
     @property
-    def compile_variant(self) -> str:
-        """Which compiled form of a chunk this policy links (part of the chunk key). Every legolink-k
-        links the same one, so a corpus compiled once serves any k."""
-        if self.kind == "legolink":
-            return f"dummy{DUMMY_PREFIX_LEN}"
-        return "plain"
+    def keeps_sink(self) -> bool:
+        """True when each linked chunk's sink token (and its KV) stays in the prompt."""
+        return self.links_chunks and self.form != "sink"
+
+
+def _legolink(m: re.Match) -> Policy:
+    k = int(m[2])
+    form = m[1] or ("sink" if k == 0 else DEFAULT_LEGOLINK_FORM)   # legolink-0 is EPIC's LegoLink-0
+    return Policy(m[0], "legolink", k=k, form=form)   # type: ignore[arg-type]
 
 
 _PATTERNS = [
     (re.compile(r"^(full|prefix|naive)$"), lambda m: Policy(m[1], m[1])),
-    (re.compile(r"^legolink-(\d{1,4})$"), lambda m: Policy(m[0], "legolink", k=int(m[1]))),
+    (re.compile(r"^legolink-(?:(epic|sink)-)?(\d+)$"), _legolink),
     (re.compile(r"^cacheblend-(\d{1,2}(?:\.\d+)?|100)$"),
      lambda m: Policy(m[0], "cacheblend", ratio=float(m[1]) / 100.0)),
 ]
 
-POLICY_HELP = "full, prefix, naive, legolink-<k> (k >= 0), cacheblend-<r> (r in 0..100 percent)"
+POLICY_HELP = ("full, prefix, naive, legolink-<k>, legolink-epic-<k>, legolink-sink-<k> (any k >= 0; k beyond a "
+               "chunk's length recomputes all of it), cacheblend-<r> (r in 0..100 percent)")
 
 
 def parse_policy(name: str) -> Policy:

@@ -83,9 +83,11 @@ class Assembled:
 
 
 def assemble(segments: Sequence[Segment], encode: Callable[[str], list[int]],
-             chunk_tokens: Callable[[Chunk | ChunkRef], PlacedChunk], max_model_len: int) -> Assembled:
+             chunk_tokens: Callable[[Chunk | ChunkRef], PlacedChunk], max_model_len: int,
+             sink_tokens: Sequence[int] = ()) -> Assembled:
     """Tokenize glue with `encode` and place each chunk's tokens (from `chunk_tokens`, which may find them
-    without loading KV). Raises ValueError for an empty prompt or one that leaves no room to answer."""
+    without loading KV), each behind `sink_tokens` where the policy keeps a chunk's sink in the prompt.
+    Raises ValueError for an empty prompt or one that leaves no room to answer."""
     ids: list[int] = []
     placed: list[PlacedChunk] = []
     for seg in segments:
@@ -95,7 +97,8 @@ def assemble(segments: Sequence[Segment], encode: Callable[[str], list[int]],
         if not isinstance(seg, (Chunk, ChunkRef)):
             raise ValueError(f"segment must be str, Chunk or ChunkRef, got {type(seg).__name__}")
         chunk = chunk_tokens(seg)
-        chunk.start = len(ids)
+        ids += sink_tokens
+        chunk.start, chunk.sink = len(ids), len(sink_tokens)
         placed.append(chunk)
         ids += chunk.token_ids
     if not ids:

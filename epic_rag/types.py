@@ -46,6 +46,7 @@ class PlacedChunk:
 
     token_ids: list[int]
     start: int = 0
+    sink: int = 0                 # sink tokens right before `start` that belong to this chunk's linked span
     kv: "ChunkKV | None" = None   # already loaded while finding the tokens (so not loaded twice)
 
 

@@ -16,6 +16,7 @@ import pytest
 from apps.demo.config import DemoConfig, open_demo_store
 from apps.demo.library import safe_upload_name
 from apps.demo.server import BackgroundServer, create_app
+from epic_rag import EngineConfig
 from epic_rag.store import MemoryStore
 from epic_rag.types import ChunkRef, Delta, Generation, RagRequest
 
@@ -66,6 +67,7 @@ class FakeEngine:
     """The slice of EpicEngine the demo uses. Streams the words 'answer 0 .. n-1', one per `delay`."""
 
     def __init__(self, delay: float = 0.0) -> None:
+        self.config = EngineConfig(model="smollm2-135m-instruct")
         self.tokenizer = WordTokenizer()
         self.store = MemoryStore()
         self.max_model_len = 8192

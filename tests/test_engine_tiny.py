@@ -1,11 +1,13 @@
 """Exactness of compile + link on a tiny random Llama (fp32)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
-from epic_rag import Chunk, ChunkRef, RagRequest
+from epic_rag import Chunk, ChunkRef, RagRequest, parse_policy
+from epic_rag.policy import SINK_LEN
 
 CHUNKS = [
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n",
@@ -19,20 +21,43 @@ def _req(chunks=CHUNKS):
     return RagRequest(question=QUESTION, chunks=list(chunks))
 
 
-def test_legolink_with_k_at_least_chunk_length_equals_full(tiny_engine):
+def _full_on_same_tokens(engine, request, policy: str, max_tokens: int):
+    """`full` over exactly the prompt tokens `policy` builds (with each chunk's sink where it keeps it)."""
+    prep = engine.prepare(request, max_tokens=max_tokens, policy=policy)
+    return engine.generate(dataclasses.replace(prep, policy=parse_policy("full")))
+
+
+@pytest.mark.parametrize("policy", ["legolink-4096", "legolink-sink-4096", "legolink-99999999"])
+def test_sink_form_legolink_with_k_at_least_chunk_length_equals_full(tiny_engine, policy):
     full = tiny_engine.generate(_req(), max_tokens=16, policy="full")
-    linked = tiny_engine.generate(_req(), max_tokens=16, policy="legolink-4096")
+    linked = tiny_engine.generate(_req(), max_tokens=16, policy=policy)
     assert linked.chunk_hits + linked.chunk_misses == len(CHUNKS)
+    assert linked.token_ids == full.token_ids and linked.prompt_tokens == full.prompt_tokens
+
+
+def test_epic_form_legolink_with_k_at_least_span_length_equals_full_over_its_sink_tokens(tiny_engine):
+    linked = tiny_engine.generate(_req(), max_tokens=16, policy="legolink-epic-4096")
+    full = _full_on_same_tokens(tiny_engine, _req(), "legolink-epic-4096", 16)
+    plain = tiny_engine.generate(_req(), max_tokens=16, policy="full")
+    assert linked.prompt_tokens == full.prompt_tokens == plain.prompt_tokens + SINK_LEN * len(CHUNKS)
     assert linked.token_ids == full.token_ids
 
 
 def test_single_chunk_at_position_zero_equals_exact_prefix(tiny_engine):
-    # The compiled chunk is exactly the KV of the prompt's prefix: naive linking (no recompute) is exact.
+    # The compiled record ([sink] + chunk at 0) is exactly the KV of the prompt's prefix: naive linking
+    # (no recompute) is exact.
     segs = [Chunk(CHUNKS[2]), "\n# what does push do?\n"]
-    full = tiny_engine.generate(segs, max_tokens=16, policy="full")
+    full = _full_on_same_tokens(tiny_engine, segs, "naive", 16)
     linked = tiny_engine.generate(segs, max_tokens=16, policy="naive")
     assert linked.linked_tokens > 0 and linked.recomputed_tokens < full.recomputed_tokens
     assert linked.token_ids == full.token_ids
+
+
+def test_sink_form_chunk_at_position_zero_links_with_a_negative_shift(tiny_engine):
+    segs = [Chunk(CHUNKS[2]), "\n# what does push do?\n"]
+    full = tiny_engine.generate(segs, max_tokens=16, policy="full")
+    assert tiny_engine.generate(segs, max_tokens=16, policy="legolink-sink-9999").token_ids == full.token_ids
+    assert tiny_engine.generate(segs, max_tokens=4, policy="legolink-0").linked_tokens > 0
 
 
 def test_naive_differs_from_full_when_chunks_follow_context(tiny_engine):
@@ -74,24 +99,25 @@ def test_linked_kv_never_served_to_exact_requests(tiny_engine):
     assert again.token_ids == first_full.token_ids
 
 
-def test_every_legolink_k_shares_the_sink_compiled_form_and_baselines_link_bare_chunks(tiny_engine):
-    g = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-0")
-    assert all(k.startswith("dummy3-") for k in g.chunk_keys)
-    for pol in ("legolink-2", "legolink-16"):       # one compile serves every k
-        g2 = tiny_engine.generate(_req(), max_tokens=4, policy=pol)
-        assert g2.chunk_misses == 0 and g2.chunk_keys == g.chunk_keys
-    for pol in ("naive", "cacheblend-15"):
-        assert all(k.startswith("plain-") for k in tiny_engine.generate(_req(), max_tokens=4, policy=pol).chunk_keys)
+def test_one_compile_without_a_policy_serves_every_policy_with_no_misses(tiny_engine):
+    chunks = [c.replace("a", "q") for c in CHUNKS]          # texts no other test compiled
+    refs = tiny_engine.compile(chunks)
+    assert all(r.key.startswith(f"sink{SINK_LEN}-") for r in refs)
+    for pol in ("legolink-0", "legolink-2", "legolink-16", "legolink-epic-16", "legolink-sink-16", "naive",
+                "cacheblend-15", "full", "prefix"):
+        g = tiny_engine.generate(_req(chunks), max_tokens=2, policy=pol)
+        assert g.chunk_misses == 0, pol
+        if parse_policy(pol).links_chunks:
+            assert g.chunk_keys == [r.key for r in refs] and g.chunk_hits == len(chunks), pol
 
 
 def test_cacheblend_recomputes_a_fraction_of_chunk_tokens(tiny_engine):
     g0 = tiny_engine.generate(_req(), max_tokens=4, policy="naive")
     g15 = tiny_engine.generate(_req(), max_tokens=4, policy="cacheblend-15")
     g100 = tiny_engine.generate(_req(), max_tokens=16, policy="cacheblend-100")
-    full = tiny_engine.generate(_req(), max_tokens=16, policy="full")
-    chunk_tokens = sum(r.num_tokens for r in tiny_engine.compile(CHUNKS))
-    assert g15.recomputed_tokens - g0.recomputed_tokens == round(0.15 * chunk_tokens)
-    assert g100.token_ids == full.token_ids
+    span_tokens = sum(r.num_tokens + SINK_LEN for r in tiny_engine.compile(CHUNKS))   # sinks are candidates too
+    assert g15.recomputed_tokens - g0.recomputed_tokens == round(0.15 * span_tokens)
+    assert g100.token_ids == _full_on_same_tokens(tiny_engine, _req(), "cacheblend-100", 16).token_ids
 
 
 def test_stream_yields_the_same_text_as_generate(tiny_engine):

@@ -122,7 +122,7 @@ def test_chunk_keys_change_with_model_tokenizer_dtype_variant_and_tokens():
     assert chunk_key(kv_fingerprint("model-b", "tok-a", "torch.float32"), [1, 2, 3]) != k
     assert chunk_key(kv_fingerprint("model-a", "tok-b", "torch.float32"), [1, 2, 3]) != k
     assert chunk_key(kv_fingerprint("model-a", "tok-a", "torch.bfloat16"), [1, 2, 3]) != k
-    assert chunk_key(base, [1, 2, 3], "dummy3") != k
+    assert chunk_key(base, [1, 2, 3], "sink1") != k
     assert chunk_key(base, [1, 2, 4]) != k and chunk_key(base, [3, 2, 1]) != k
 
 

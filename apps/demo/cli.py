@@ -13,10 +13,12 @@ log = logging.getLogger("apps.demo")
 
 
 def register(subparsers) -> None:
+    from .config import DEMO_MODEL
+
     d = subparsers.add_parser(
         "demo", help="chat server over documents with an OpenAI-compatible API",
         description="Serve a chat page and an OpenAI-compatible API over a document corpus "
-                    "(default: Python's pydoc text, SmolLM2, FAISS retrieval, a disk chunk store).")
+                    "(default: Python's pydoc text, Qwen2.5-Coder-0.5B-Instruct, FAISS retrieval, a disk chunk store).")
     d.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     d.add_argument("--port", type=int, default=8000)
     d.add_argument("--corpus", default="builtin:pydoc",
@@ -27,7 +29,7 @@ def register(subparsers) -> None:
     d.add_argument("--policy", default="legolink-16", help="default link policy (the page can switch)")
     d.add_argument("--api-key", default=None,
                    help="require this key (Authorization: Bearer KEY); default: $EPIC_RAG_API_KEY, else none")
-    d.add_argument("--model", default="smollm2-135m-instruct")
+    d.add_argument("--model", default=DEMO_MODEL, help=f"packaged model name or model folder (default {DEMO_MODEL})")
     d.add_argument("--data-dir", default=None, help="default ~/.cache/epic_rag/demo")
     d.add_argument("--top-k", type=int, default=4)
     d.add_argument("--chunk-tokens", type=int, default=256)

@@ -6,11 +6,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from epic_rag.models import DEFAULT_MODEL
 from epic_rag.paths import cache_dir
 from epic_rag.policy import parse_policy
 
 log = logging.getLogger(__name__)
+
+# A coder model for the default corpus (Python's documentation); SmolLM2 stays available by --model.
+DEMO_MODEL = "qwen2.5-coder-0.5b-instruct"
 
 # The policy switch in the page (the API accepts any name epic_rag.policy.parse_policy accepts).
 PAGE_POLICIES = ["legolink-16", "legolink-0", "naive", "cacheblend-15", "full", "prefix"]
@@ -26,7 +28,7 @@ class DemoConfig:
     data_dir: Path = field(default_factory=default_data_dir)
     store: str | None = None             # chunk store spec; None: memory over a disk tier under data_dir
     policy: str = "legolink-16"          # default link policy (each request may pick another)
-    model: str = DEFAULT_MODEL
+    model: str = DEMO_MODEL
     api_key: str | None = None           # when set, every route that does work needs it
     top_k: int = 4
     max_top_k: int = 16

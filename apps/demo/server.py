@@ -179,6 +179,8 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
     """The demo app. Pass a ready engine (tests share one), or attach one later with
     app.state.demo.attach_engine(engine) (the CLI serves /healthz while the engine loads)."""
     cfg = config or DemoConfig()
+    if engine is not None:          # the model actually served is the engine's
+        cfg.model = str(engine.config.model)
     state = DemoState(cfg, encoder)
 
     @contextlib.asynccontextmanager

@@ -42,7 +42,7 @@ class LinkJob:
         by the claim is truncated to the claimed part."""
         last_end = max(s.start + s.kv.num_tokens for s in spans)
         claim = min(last_end, len(token_ids) - 1)
-        kept = [LinkSpan(s.start, _truncate(s.kv, claim - s.start), s.exact) for s in spans if s.start < claim]
+        kept = [LinkSpan(s.start, s.kv.slice(0, claim - s.start), s.exact) for s in spans if s.start < claim]
         return cls(uuid.uuid4().hex, token_ids[:claim], kept, policy), claim
 
     def initial_recompute(self) -> torch.Tensor:
@@ -71,12 +71,11 @@ class LinkJob:
 
 @dataclass(slots=True)
 class Capture:
-    """KV being captured from a compile request: k, v: [L, T, Hkv, D] for prompt positions offset.."""
+    """KV being captured from a compile request: k, v: [L, T, Hkv, D] for its prompt positions 0..T-1."""
 
     k: torch.Tensor
     v: torch.Tensor
-    offset: int                 # dummy-prefix tokens whose KV is dropped
-    filled_to: int = 0          # prompt positions captured so far (absolute)
+    filled_to: int = 0          # prompt positions captured so far
     error: str | None = None
 
 
@@ -118,8 +117,3 @@ class Board:
 
 BOARD = Board()
 
-
-def _truncate(kv: ChunkKV, n: int) -> ChunkKV:
-    if n >= kv.num_tokens:
-        return kv
-    return ChunkKV(kv.key, kv.token_ids[:n], kv.k[:, :n], kv.v[:, :n], kv.base_pos)

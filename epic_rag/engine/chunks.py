@@ -1,8 +1,9 @@
 """Chunk resolution: find each chunk's tokens and KV, compiling the missing ones in vLLM batches.
 
-Compile = a chunk submitted to vLLM as an ordinary request (max_tokens=1, behind the variant's sink
-tokens); the connector copies its freshly computed KV out of the paged cache into a Capture after the
-step, and the result is stored. Many callers wanting the same missing chunk compile it once.
+Compile = a chunk submitted to vLLM from position 0 behind its sink token (policy.py) as an ordinary request
+(max_tokens=1); the connector copies its freshly computed KV out of the paged cache into a Capture after the
+step, and the record ([sink] + chunk) is stored. Many callers wanting the same missing chunk compile it once.
+The glue before a prompt's first chunk is compiled bare ("plain": it sits at position 0 in the prompt too).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from concurrent.futures import Future
 import torch
 
 from ..keys import chunk_key
-from ..policy import DUMMY_PREFIX_LEN, Policy
+from ..policy import CHUNK_VARIANT, SINK_LEN, Policy
 from ..prompt import check_chunk_text, encode_text
 from ..store import ChunkKV, ChunkStore
 from ..types import Chunk, ChunkRef, PlacedChunk
@@ -49,7 +50,7 @@ class ChunkResolver:
         ids = encode_text(self.tokenizer, check_chunk_text(text))
         if not ids:
             raise ValueError("chunk text encodes to no tokens")
-        if len(ids) + DUMMY_PREFIX_LEN + 1 >= self.max_model_len:
+        if len(ids) + SINK_LEN + 1 >= self.max_model_len:
             raise ValueError(f"chunk of {len(ids)} tokens exceeds the context window ({self.max_model_len})")
         return ids
 
@@ -74,17 +75,18 @@ class ChunkResolver:
         kv = self.store.get(seg.key)
         if kv is None:
             raise ValueError(f"chunk {seg.key!r} is not in the store and carries no text to recompile")
-        self.remember(seg.key, kv.token_ids)
-        return PlacedChunk(kv.token_ids, kv=kv)
+        ids = kv.token_ids[SINK_LEN:] if seg.key.startswith(CHUNK_VARIANT + "-") else kv.token_ids
+        self.remember(seg.key, ids)
+        return PlacedChunk(ids, kv=kv)
 
-    def compile(self, texts: Sequence[str], variant: str, batch_size: int) -> list[ChunkRef]:
+    def compile(self, texts: Sequence[str], batch_size: int) -> list[ChunkRef]:
         """Compile chunk texts not stored yet, `batch_size` per vLLM batch; refs in input order."""
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         toks = [self.chunk_tokens(t) for t in texts]
-        keys = [self.key(tk, variant) for tk in toks]
+        keys = [self.key(tk, CHUNK_VARIANT) for tk in toks]
         # An existence check, not a load: re-compiling a stored corpus must not read all its KV back.
-        missing = [(tk, variant) for tk, key in zip(toks, keys) if not self.store.contains(key)]
+        missing = [(tk, CHUNK_VARIANT) for tk, key in zip(toks, keys) if not self.store.contains(key)]
         for i in range(0, len(missing), batch_size):
             self.resolve(missing[i: i + batch_size])
         for key, tk in zip(keys, toks):
@@ -95,14 +97,14 @@ class ChunkResolver:
                    policy: Policy) -> tuple[list[LinkSpan], int]:
         """The spans a request links under `policy`, compiling what is missing; and how many chunks were
         compiled here (misses)."""
-        variant = policy.compile_variant
-        wanted = [(c.token_ids, variant) for c in chunks]
+        wanted = [(c.token_ids, CHUNK_VARIANT) for c in chunks]
         known = {c.kv.key: c.kv for c in chunks if c.kv is not None}
         kvs, misses = self.resolve(wanted, known)
-        spans = [LinkSpan(c.start, kv) for c, kv in zip(chunks, kvs)]
+        # A record holds [sink] + chunk: the span starts at the sink where the prompt keeps it.
+        spans = [LinkSpan(c.start - c.sink, kv if c.sink else kv.slice(SINK_LEN)) for c, kv in zip(chunks, kvs)]
         # The glue before the first chunk (system prompt, instructions) sits at position 0 with no context
         # before it: its compiled KV is exact, so it is linked like a chunk and never recomputed.
-        lead = chunks[0].start
+        lead = chunks[0].start - chunks[0].sink
         if lead >= MIN_EXACT_PREFIX:
             (prefix_kv,), _ = self.resolve([(token_ids[:lead], "plain")])
             spans.insert(0, LinkSpan(0, prefix_kv, exact=True))
@@ -141,29 +143,27 @@ class ChunkResolver:
         done: list[tuple[str, str, Capture, list[int], Future, threading.Event]] = []
         try:
             for key, (fut, tokens, variant) in todo.items():
-                offset = DUMMY_PREFIX_LEN if variant.startswith("dummy") else 0
-                cap = Capture(k=torch.empty((L, len(tokens), H, D), dtype=kv_dtype),
-                              v=torch.empty((L, len(tokens), H, D), dtype=kv_dtype), offset=offset)
+                prompt = ([self.sink_token] * SINK_LEN if variant == CHUNK_VARIANT else []) + tokens
+                cap = Capture(k=torch.empty((L, len(prompt), H, D), dtype=kv_dtype),
+                              v=torch.empty((L, len(prompt), H, D), dtype=kv_dtype))
                 cap_id = uuid.uuid4().hex
                 BOARD.post_capture(cap_id, cap)
                 ev = threading.Event()
-                done.append((key, cap_id, cap, tokens, fut, ev))
-                self.runtime.submit_tokens([self.sink_token] * offset + tokens, event_sink(ev), max_tokens=1,
-                                           kv_params={"epic": {"capture": cap_id}})
-            for key, cap_id, cap, tokens, fut, ev in done:
+                done.append((key, cap_id, cap, prompt, fut, ev))
+                self.runtime.submit_tokens(prompt, event_sink(ev), max_tokens=1, kv_params={"epic": {"capture": cap_id}})
+            for key, cap_id, cap, prompt, fut, ev in done:
                 ev.wait()
                 BOARD.pop_capture(cap_id)
                 err = getattr(ev, "error", None) or cap.error
-                if err is None and cap.filled_to < cap.offset + len(tokens):
-                    err = f"captured {cap.filled_to - cap.offset} of {len(tokens)} tokens"
+                if err is None and cap.filled_to < len(prompt):
+                    err = f"captured {cap.filled_to} of {len(prompt)} tokens"
                 if err is not None:
                     raise RuntimeError(f"compiling chunk {key} failed: {err}")
-                kv = ChunkKV(key=key, token_ids=tokens, k=cap.k, v=cap.v, base_pos=cap.offset)
+                kv = ChunkKV(key=key, token_ids=prompt, k=cap.k, v=cap.v, base_pos=0)
                 try:
                     self.store.put(kv)
                 except Exception:
                     log.exception("storing chunk %s failed; serving it from this compile", key)
-                self.remember(key, tokens)
                 fut.set_result(kv)
         except BaseException as e:
             for _, _, _, _, fut, _ in done:

@@ -196,7 +196,7 @@ class EpicConnector(KVConnectorBase_V1):
             if cap is None:
                 continue
             try:
-                self.linker.capture(spec.block_ids, spec.start, spec.end, cap.k, cap.v, cap.offset)
+                self.linker.capture(spec.block_ids, spec.start, spec.end, cap.k, cap.v)
                 cap.filled_to = max(cap.filled_to, spec.end)
             except Exception as e:
                 log.exception("capturing %s failed", spec.req_id)

@@ -12,7 +12,7 @@ from ..config import EngineConfig
 from ..keys import kv_fingerprint
 from ..matching import ChunkTextIndex
 from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
-from ..policy import parse_policy
+from ..policy import SINK_LEN, parse_policy
 from ..prompt import assemble, encode_text, to_segments
 from ..store import open_store
 from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Segment
@@ -60,11 +60,12 @@ class EpicEngine:
 
     def compile(self, chunks: Sequence[str], policy: str | None = None, batch_size: int = 32) -> list[ChunkRef]:
         """Compile chunk texts (skipping those already stored), `batch_size` per vLLM batch; returns refs in
-        input order."""
+        input order. One compiled form serves every policy; `policy` is only checked."""
         if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Iterable):
             raise ValueError(f"compile takes a list of chunk texts, got {type(chunks).__name__}")
-        variant = (parse_policy(policy) if policy else self.default_policy).compile_variant
-        refs = self.chunks.compile(list(chunks), variant, batch_size)
+        if policy is not None:
+            parse_policy(policy)
+        refs = self.chunks.compile(list(chunks), batch_size)
         for r in refs:
             self.text_index.add(r)
         return refs
@@ -91,7 +92,9 @@ class EpicEngine:
                 not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
             raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         segments = to_segments(self.tokenizer, self.text_index, request)
-        prompt = assemble(segments, lambda s: encode_text(self.tokenizer, s), self.chunks.place, self.max_model_len)
+        sink = [self.chunks.sink_token] * SINK_LEN if pol.keeps_sink else []
+        prompt = assemble(segments, lambda s: encode_text(self.tokenizer, s), self.chunks.place, self.max_model_len,
+                          sink)
         return PreparedRequest(prompt.token_ids, prompt.chunks, pol,
                                min(max_tokens, self.max_model_len - len(prompt.token_ids)), float(temperature),
                                [stop] if isinstance(stop, str) else stop)

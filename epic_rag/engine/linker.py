@@ -9,8 +9,8 @@ backend's own kernel, or, where the layout offers no kernel path, attends over t
 position-causal mask, the buffer being written into the pages after the layer.
 
 Recompute sets (R always holds every token without a cache: template glue, system prompt):
-- naive: nothing else;  legolink-k: the first k tokens of each chunk (chunks compiled behind dummy
-  sink tokens, see policy.py);  legolink-0: nothing else;
+- naive: nothing else;  legolink-k: the first k tokens of each chunk's span (its sink token first where
+  the policy keeps it, see policy.py);  legolink-0: nothing else;
 - cacheblend-r: every token through layers 0..CHECK_LAYER; at CHECK_LAYER the chunk tokens whose
   *keys* deviate most from the cache (L2 over heads and dims, after re-rotation: LMCache's rule)
   are kept, the top r fraction, and only they (plus uncached tokens) are recomputed in later layers.
@@ -179,12 +179,8 @@ class Linker:
         return h[idx], (residual[idx] if residual is not None else None), R[idx]
 
     @torch.inference_mode()
-    def capture(self, block_ids: list[int], start: int, end: int, k_out: torch.Tensor, v_out: torch.Tensor,
-                offset: int = 0) -> None:
-        """Copy positions [start, end) of a request's paged KV into k_out/v_out: [L, T, Hkv, D] at t - offset."""
-        lo, hi = max(start, offset), end
-        if hi <= lo:
-            return
+    def capture(self, block_ids: list[int], start: int, end: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """Copy positions [start, end) of a request's paged KV into k_out/v_out: [L, T, Hkv, D] at the same t."""
         for li in range(len(self.layers)):   # straight into the chunk's buffers: [n, Hkv, D] per layer
-            self.layout.read_range_into(self.cache_of(li), block_ids, lo, hi, k_out[li, lo - offset: hi - offset],
-                                        v_out[li, lo - offset: hi - offset])
+            self.layout.read_range_into(self.cache_of(li), block_ids, start, end, k_out[li, start:end],
+                                        v_out[li, start:end])

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-# Keys are content hashes made by the engine ("plain-<hex>", "dummy3-<hex>"). Tiers use them as file
+# Keys are content hashes made by the engine ("plain-<hex>", "sink1-<hex>"). Tiers use them as file
 # names and Redis keys, so they are restricted to a safe alphabet ('@' is reserved for tier namespaces).
 _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 QUANTS = ("none", "int8")
@@ -61,6 +61,14 @@ class ChunkKV:
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+    def slice(self, start: int, stop: int | None = None) -> "ChunkKV":
+        """Tokens [start, stop) as views; keys keep their compile positions, so base_pos moves with start."""
+        stop = self.num_tokens if stop is None else min(stop, self.num_tokens)
+        if start == 0 and stop == self.num_tokens:
+            return self
+        return ChunkKV(self.key, self.token_ids[start:stop], self.k[:, start:stop], self.v[:, start:stop],
+                       self.base_pos + start, self.quant)
 
 
 @dataclass(slots=True)
