@@ -1,4 +1,5 @@
 """`epic-rag` command line: ask questions over documents (more subcommands register below)."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,13 +34,17 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from . import Delta, EngineConfig, EpicEngine, RagRequest
 
     t0 = time.perf_counter()
-    engine = EpicEngine(EngineConfig(model=args.model, policy=args.policy, store=args.store,
-                                     max_model_len=args.max_model_len))
+    engine = EpicEngine(
+        EngineConfig(model=args.model, policy=args.policy, store=args.store, max_model_len=args.max_model_len)
+    )
     docs = [d for src in args.docs for d in load_documents(src)]
     chunks = [c for d in docs for c in chunk_document(d, engine.tokenizer, args.chunk_tokens)]
     picked = top_chunks(args.question, chunks, args.top_k)
-    print(f"engine ready in {time.perf_counter() - t0:.1f}s; {len(docs)} documents, {len(chunks)} chunks; "
-          f"using {len(picked)}", file=sys.stderr)
+    print(
+        f"engine ready in {time.perf_counter() - t0:.1f}s; {len(docs)} documents, {len(chunks)} chunks; "
+        f"using {len(picked)}",
+        file=sys.stderr,
+    )
     t1 = time.perf_counter()
     refs = engine.compile([c.text for c in picked])
     print(f"compiled {len(refs)} chunks in {time.perf_counter() - t1:.1f}s", file=sys.stderr)
@@ -56,8 +61,10 @@ def cmd_ask(args: argparse.Namespace) -> int:
                 else:
                     gen = ev
             print()
-        print(f"  policy={gen.policy} ttft={gen.ttft_s:.3f}s prompt={gen.prompt_tokens} linked={gen.linked_tokens} "
-              f"recomputed={gen.recomputed_tokens} chunk_hits={gen.chunk_hits} chunk_misses={gen.chunk_misses}")
+        print(
+            f"  policy={gen.policy} ttft={gen.ttft_s:.3f}s prompt={gen.prompt_tokens} linked={gen.linked_tokens} "
+            f"recomputed={gen.recomputed_tokens} chunk_hits={gen.chunk_hits} chunk_misses={gen.chunk_misses}"
+        )
     print("sources: " + ", ".join(f"{c.doc}#{c.index}" for c in picked))
     engine.shutdown()
     return 0
@@ -68,8 +75,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     if args.action == "list":
         for name, spec in PACKAGED_MODELS.items():
-            print(f"{name:32s} {'default' if spec.default else 'optional':8s} {len(spec.parts)} package(s) "
-                  f"{spec.pip_names[0].split('==')[0]}{'..' if len(spec.parts) > 1 else ''}=={spec.version}")
+            print(
+                f"{name:32s} {'default' if spec.default else 'optional':8s} {len(spec.parts)} package(s) "
+                f"{spec.pip_names[0].split('==')[0]}{'..' if len(spec.parts) > 1 else ''}=={spec.version}"
+            )
         return 0
     if args.name not in PACKAGED_MODELS:
         raise ValueError(f"models install needs one of {sorted(PACKAGED_MODELS)}")
@@ -83,11 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("ask", help="answer a question over documents with linked chunk KV")
     a.add_argument("--question", "-q", required=True)
-    a.add_argument("--docs", nargs="+", default=["builtin:pydoc"],
-                   help="files, folders or builtin:pydoc (default)")
+    a.add_argument("--docs", nargs="+", default=["builtin:pydoc"], help="files, folders or builtin:pydoc (default)")
     a.add_argument("--policy", default="legolink-16")
-    a.add_argument("--compare", nargs="*", metavar="POLICY",
-                   help="run the question under several policies (e.g. full legolink-16 naive)")
+    a.add_argument(
+        "--compare",
+        nargs="*",
+        metavar="POLICY",
+        help="run the question under several policies (e.g. full legolink-16 naive)",
+    )
     a.add_argument("--model", default="smollm2-135m-instruct")
     a.add_argument("--store", default="memory")
     a.add_argument("--top-k", type=int, default=4)
@@ -95,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-tokens", type=int, default=96)
     a.add_argument("--max-model-len", type=int, default=8192)
     a.set_defaults(func=cmd_ask)
-    m = sub.add_parser("models", help="list packaged models, or install one (its packages, then a one-time "
-                                      "conversion to safetensors)")
+    m = sub.add_parser(
+        "models", help="list packaged models, or install one (its packages, then a one-time conversion to safetensors)"
+    )
     m.add_argument("action", choices=["list", "install"], nargs="?", default="list")
     m.add_argument("name", nargs="?", help="model to install, e.g. qwen2.5-coder-1.5b-instruct")
     m.set_defaults(func=cmd_models)
@@ -112,7 +125,7 @@ _EXTRA_COMMANDS: list = []
 def _load_extra_commands() -> None:
     import importlib
 
-    if _EXTRA_COMMANDS:   # main() may run several times in one process (tests)
+    if _EXTRA_COMMANDS:  # main() may run several times in one process (tests)
         return
     for mod in ("epic_rag.store.cli", "apps.demo.cli", "epic_rag.bench.cli"):
         try:

@@ -1,4 +1,5 @@
 """EngineConfig: what an EpicEngine runs (model, default policy, store, dtype, sizes)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,12 +15,12 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
-    policy: str = "legolink-16"          # default link policy; each request may override it
+    policy: str = "legolink-16"  # default link policy; each request may override it
     store: "str | ChunkStore" = "memory"  # chunk store spec (see epic_rag.store.open_store) or an open store
-    dtype: str = "auto"                  # auto: fp32 on CPUs without native bf16, bf16 on GPUs
+    dtype: str = "auto"  # auto: fp32 on CPUs without native bf16, bf16 on GPUs
     max_model_len: int = 8192
     max_num_seqs: int = 16
-    kv_cache_gib: int = 2                # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    kv_cache_gib: int = 2  # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
     gpu_memory_utilization: float = 0.3  # CPU: fraction of the NUMA node's RAM vLLM may take
     max_num_batched_tokens: int = 4096
     seed: int = 0

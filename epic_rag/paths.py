@@ -1,4 +1,5 @@
 """Where epic_rag keeps its files (the cache root) and where installed data packages live."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -11,6 +11,7 @@ none), whose KV is kept in the stored record. Policies differ in whether the sin
   the first k chunk tokens, `legolink-0` none.
 `legolink-<k>` means the form named by DEFAULT_LEGOLINK_FORM (the better-measured one, see the README).
 """
+
 from __future__ import annotations
 
 import re
@@ -20,7 +21,7 @@ from typing import Literal
 Kind = Literal["full", "prefix", "naive", "legolink", "cacheblend"]
 Form = Literal["epic", "sink"]
 
-SINK_LEN = 1                     # sink tokens compiled before every chunk (their KV is stored)
+SINK_LEN = 1  # sink tokens compiled before every chunk (their KV is stored)
 CHUNK_VARIANT = f"sink{SINK_LEN}"  # the compile variant of every chunk (part of its key)
 DEFAULT_LEGOLINK_FORM: Form = "sink"
 
@@ -29,9 +30,9 @@ DEFAULT_LEGOLINK_FORM: Form = "sink"
 class Policy:
     name: str
     kind: Kind
-    k: int = 0                  # legolink: tokens recomputed at the head of each chunk's span
-    ratio: float = 0.0          # cacheblend: fraction of chunk tokens recomputed after the check layer
-    form: Form | None = None    # legolink: which compiled form it links (see the module docstring)
+    k: int = 0  # legolink: tokens recomputed at the head of each chunk's span
+    ratio: float = 0.0  # cacheblend: fraction of chunk tokens recomputed after the check layer
+    form: Form | None = None  # legolink: which compiled form it links (see the module docstring)
 
     @property
     def links_chunks(self) -> bool:
@@ -46,19 +47,23 @@ class Policy:
 
 def _legolink(m: re.Match) -> Policy:
     k = int(m[2])
-    form = m[1] or ("sink" if k == 0 else DEFAULT_LEGOLINK_FORM)   # legolink-0 is EPIC's LegoLink-0
-    return Policy(m[0], "legolink", k=k, form=form)   # type: ignore[arg-type]
+    form = m[1] or ("sink" if k == 0 else DEFAULT_LEGOLINK_FORM)  # legolink-0 is EPIC's LegoLink-0
+    return Policy(m[0], "legolink", k=k, form=form)  # type: ignore[arg-type]
 
 
 _PATTERNS = [
     (re.compile(r"^(full|prefix|naive)$"), lambda m: Policy(m[1], m[1])),
     (re.compile(r"^legolink-(?:(epic|sink)-)?(\d+)$"), _legolink),
-    (re.compile(r"^cacheblend-(\d{1,2}(?:\.\d+)?|100)$"),
-     lambda m: Policy(m[0], "cacheblend", ratio=float(m[1]) / 100.0)),
+    (
+        re.compile(r"^cacheblend-(\d{1,2}(?:\.\d+)?|100)$"),
+        lambda m: Policy(m[0], "cacheblend", ratio=float(m[1]) / 100.0),
+    ),
 ]
 
-POLICY_HELP = ("full, prefix, naive, legolink-<k>, legolink-epic-<k>, legolink-sink-<k> (any k >= 0; k beyond a "
-               "chunk's length recomputes all of it), cacheblend-<r> (r in 0..100 percent)")
+POLICY_HELP = (
+    "full, prefix, naive, legolink-<k>, legolink-epic-<k>, legolink-sink-<k> (any k >= 0; k beyond a "
+    "chunk's length recomputes all of it), cacheblend-<r> (r in 0..100 percent)"
+)
 
 
 def parse_policy(name: str) -> Policy:

@@ -3,6 +3,7 @@
 Chunk boundaries are token spans, never separator strings: every segment is tokenized on its own,
 so a chunk's tokens in the prompt are exactly the tokens it was compiled from.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -20,15 +21,16 @@ def render_request(tokenizer, req: RagRequest) -> list[Segment]:
     if not isinstance(req.question, str) or not req.question.strip():
         raise ValueError("question must be a non-empty string")
     if not req.chunks:
-        raise ValueError("RagRequest needs at least one chunk; for a prompt without documents pass a "
-                         "prompt string or a list of segments (see EpicEngine.render_messages)")
+        raise ValueError(
+            "RagRequest needs at least one chunk; for a prompt without documents pass a "
+            "prompt string or a list of segments (see EpicEngine.render_messages)"
+        )
     marks = [f"\x00EPIC{uuid.uuid4().hex}_{i}\x00" for i in range(len(req.chunks))]
     body = DEFAULT_INSTRUCTION
     for i, m in enumerate(marks):
         body += f"Document {i + 1}:\n{m}\n\n"
     body += f"Question: {req.question.strip()}"
-    messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
-        [{"role": "user", "content": body}]
+    messages = ([{"role": "system", "content": req.system}] if req.system else []) + [{"role": "user", "content": body}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     segments: list[Segment] = []
     for i, m in enumerate(marks):
@@ -56,7 +58,7 @@ def encode_text(tokenizer, text: str) -> list[int]:
     """Tokens of one piece on its own; special-token strings in the template become special ids."""
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError as e:   # a lone surrogate: the tokenizer would raise an opaque TypeError
+    except UnicodeEncodeError as e:  # a lone surrogate: the tokenizer would raise an opaque TypeError
         raise ValueError(f"text is not valid Unicode (lone surrogate at position {e.start})") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -69,8 +71,7 @@ def to_segments(tokenizer, text_index: ChunkTextIndex, request: RagRequest | str
     if isinstance(request, str):
         return text_index.split(request)
     if isinstance(request, bytes) or not isinstance(request, Sequence):
-        raise ValueError("request must be a RagRequest, a prompt string or a list of segments "
-                         "(str | Chunk | ChunkRef)")
+        raise ValueError("request must be a RagRequest, a prompt string or a list of segments (str | Chunk | ChunkRef)")
     return list(request)
 
 
@@ -82,9 +83,13 @@ class Assembled:
     chunks: list[PlacedChunk]
 
 
-def assemble(segments: Sequence[Segment], encode: Callable[[str], list[int]],
-             chunk_tokens: Callable[[Chunk | ChunkRef], PlacedChunk], max_model_len: int,
-             sink_tokens: Sequence[int] = ()) -> Assembled:
+def assemble(
+    segments: Sequence[Segment],
+    encode: Callable[[str], list[int]],
+    chunk_tokens: Callable[[Chunk | ChunkRef], PlacedChunk],
+    max_model_len: int,
+    sink_tokens: Sequence[int] = (),
+) -> Assembled:
     """Tokenize glue with `encode` and place each chunk's tokens (from `chunk_tokens`, which may find them
     without loading KV), each behind `sink_tokens` where the policy keeps a chunk's sink in the prompt.
     Raises ValueError for an empty prompt or one that leaves no room to answer."""
@@ -104,6 +109,8 @@ def assemble(segments: Sequence[Segment], encode: Callable[[str], list[int]],
     if not ids:
         raise ValueError("prompt is empty")
     if len(ids) >= max_model_len:
-        raise ValueError(f"prompt of {len(ids)} tokens does not fit the context window "
-                         f"({max_model_len} tokens, one at least kept for the answer)")
+        raise ValueError(
+            f"prompt of {len(ids)} tokens does not fit the context window "
+            f"({max_model_len} tokens, one at least kept for the answer)"
+        )
     return Assembled(ids, placed)

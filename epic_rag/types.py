@@ -1,4 +1,5 @@
 """Boundary dataclasses of the public API (engine <-> callers)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,8 +47,8 @@ class PlacedChunk:
 
     token_ids: list[int]
     start: int = 0
-    sink: int = 0                 # sink tokens right before `start` that belong to this chunk's linked span
-    kv: "ChunkKV | None" = None   # already loaded while finding the tokens (so not loaded twice)
+    sink: int = 0  # sink tokens right before `start` that belong to this chunk's linked span
+    kv: "ChunkKV | None" = None  # already loaded while finding the tokens (so not loaded twice)
 
 
 @dataclass(slots=True)
@@ -71,8 +72,8 @@ class Delta:
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
-    t: float                           # time.perf_counter() when the step produced it
-    cached_tokens: int | None = None   # prompt tokens vLLM served from its own prefix cache
+    t: float  # time.perf_counter() when the step produced it
+    cached_tokens: int | None = None  # prompt tokens vLLM served from its own prefix cache
 
 
 @dataclass(slots=True)
@@ -84,11 +85,11 @@ class Generation:
     ttft_s: float
     total_s: float
     prompt_tokens: int
-    linked_tokens: int        # prompt tokens whose KV came from compiled chunks
-    recomputed_tokens: int    # prompt tokens the linker recomputed (chunk heads, glue, blend picks)
+    linked_tokens: int  # prompt tokens whose KV came from compiled chunks
+    recomputed_tokens: int  # prompt tokens the linker recomputed (chunk heads, glue, blend picks)
     chunk_hits: int
     chunk_misses: int
     policy: str
     finish_reason: str | None = None
     chunk_keys: list[str] = field(default_factory=list)
-    prefix_cached_tokens: int = 0    # `prefix` policy: prompt tokens served by vLLM's exact prefix cache
+    prefix_cached_tokens: int = 0  # `prefix` policy: prompt tokens served by vLLM's exact prefix cache

@@ -1,6 +1,7 @@
 """ChatEpic's answers to langchain-tests' feature flags, shared by the unit and integration suites.
 
 Features the model does not have are declared here, not faked."""
+
 from __future__ import annotations
 
 from epic_rag.integrations.langchain import ChatEpic

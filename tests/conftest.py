@@ -1,6 +1,7 @@
 """Shared fixtures. vLLM keeps process-global state (one KV connector per process), so each pytest
 process holds at most one engine: `make test` runs the tiny-model tests and the SmolLM2 tests as two
 sessions (`-m "not smollm"` and `-m smollm`)."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,16 @@ def tiny_model_dir() -> Path:
 def tiny_engine(tiny_model_dir):
     from epic_rag import EngineConfig, EpicEngine
 
-    eng = EpicEngine(EngineConfig(model=str(tiny_model_dir), policy="legolink-16", max_model_len=2048,
-                                  max_num_seqs=8, kv_cache_gib=1, dtype="float32"))
+    eng = EpicEngine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            policy="legolink-16",
+            max_model_len=2048,
+            max_num_seqs=8,
+            kv_cache_gib=1,
+            dtype="float32",
+        )
+    )
     yield eng
     eng.shutdown()
 
@@ -33,7 +42,15 @@ def tiny_engine(tiny_model_dir):
 def smol_engine():
     from epic_rag import EngineConfig, EpicEngine
 
-    eng = EpicEngine(EngineConfig(model="smollm2-135m-instruct", policy="legolink-16", max_model_len=8192,
-                                  max_num_seqs=8, kv_cache_gib=2, dtype="float32"))
+    eng = EpicEngine(
+        EngineConfig(
+            model="smollm2-135m-instruct",
+            policy="legolink-16",
+            max_model_len=8192,
+            max_num_seqs=8,
+            kv_cache_gib=2,
+            dtype="float32",
+        )
+    )
     yield eng
     eng.shutdown()

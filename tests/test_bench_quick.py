@@ -1,4 +1,5 @@
 """Smoke test of the benchmark harness in --quick mode (checks it works, not the speed)."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,7 @@ def test_quick_bench_writes_every_policy_for_every_part(smol_engine, tmp_path):
     from epic_rag.bench.cli import parse_args, run
     from epic_rag.bench.latency import COMPARED_POLICIES
 
-    args = parse_args(["all", "--quick", "--out", str(tmp_path), "--reps", "1", "--max-tokens", "4",
-                       "--no-progress"])
+    args = parse_args(["all", "--quick", "--out", str(tmp_path), "--reps", "1", "--max-tokens", "4", "--no-progress"])
     report = run(args, engine=smol_engine)
     acc = json.loads((tmp_path / "accuracy.json").read_text())
     assert [r["policy"] for r in acc["summary"]] == COMPARED_POLICIES

@@ -1,5 +1,6 @@
 """The demo server on SmolLM2, driven by the official `openai` client (stream and non-stream), plus
 concurrency, disconnect-cancels-in-the-engine, malformed requests and uploads against the real engine."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,9 +19,9 @@ pytestmark = pytest.mark.smollm
 KEY = "demo-test-key"
 PASSAGES = {
     "bridge.txt": "The Larkspur Bridge opened in 1931. It crosses the Vell River and is 412 metres long. "
-                  "It was designed by the engineer Maria Ostrand.",
+    "It was designed by the engineer Maria Ostrand.",
     "tovin.md": "Tovin is a small town in the northern hills. Its main industry is wool, and its market is held "
-                "every Thursday in the old square.",
+    "every Thursday in the old square.",
     "archive.txt": "The secret passcode for the archive room is 7314. Only the head librarian may share it.",
 }
 QUESTION = "What is the secret passcode for the archive room?"
@@ -65,28 +66,35 @@ def test_models_lists_the_served_model(client):
 
 
 def test_openai_client_non_stream_answers_from_linked_chunks(client):
-    r = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=16,
-                                       messages=[{"role": "user", "content": QUESTION}],
-                                       extra_body={"policy": "legolink-16", "top_k": 2})
+    r = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        max_tokens=16,
+        messages=[{"role": "user", "content": QUESTION}],
+        extra_body={"policy": "legolink-16", "top_k": 2},
+    )
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert "7314" in r.choices[0].message.content, r.choices[0].message.content
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
     e = r.model_extra["epic"]
     assert e["policy"] == "legolink-16" and e["ttft_s"] > 0
-    assert e["chunk_hits"] == 2 and e["chunk_misses"] == 0             # compiled at ingestion, linked here
+    assert e["chunk_hits"] == 2 and e["chunk_misses"] == 0  # compiled at ingestion, linked here
     assert 0 < e["recomputed_tokens"] < e["prompt_tokens"] == r.usage.prompt_tokens
     assert e["linked_tokens"] + e["recomputed_tokens"] == e["prompt_tokens"]
     assert "archive.txt" in [s["doc"] for s in e["sources"]]
 
 
 def test_openai_client_stream_role_first_finish_last(client):
-    stream = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=16, stream=True,
-                                            messages=[{"role": "user", "content": QUESTION}],
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        max_tokens=16,
+        stream=True,
+        messages=[{"role": "user", "content": QUESTION}],
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[0].model_extra["epic"]["sources"]                     # citations come before the answer
+    assert chunks[0].model_extra["epic"]["sources"]  # citations come before the answer
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "7314" in text, text
     with_choices = [c for c in chunks if c.choices]
@@ -99,9 +107,12 @@ def test_openai_client_stream_role_first_finish_last(client):
 
 def test_policy_switch_changes_what_is_linked(client):
     def run(policy):
-        r = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=4,
-                                           messages=[{"role": "user", "content": QUESTION}],
-                                           extra_body={"policy": policy})
+        r = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            max_tokens=4,
+            messages=[{"role": "user", "content": QUESTION}],
+            extra_body={"policy": policy},
+        )
         return r.model_extra["epic"]
 
     full, naive, lego = run("full"), run("naive"), run("legolink-16")
@@ -111,15 +122,20 @@ def test_policy_switch_changes_what_is_linked(client):
 
 
 def test_extra_body_chunk_ids_and_plain_chat(client):
-    r = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=12,
-                                       messages=[{"role": "user", "content": "How long is the Larkspur Bridge?"}],
-                                       extra_body={"chunk_ids": ["bridge.txt#0"]})
+    r = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        max_tokens=12,
+        messages=[{"role": "user", "content": "How long is the Larkspur Bridge?"}],
+        extra_body={"chunk_ids": ["bridge.txt#0"]},
+    )
     assert [s["id"] for s in r.model_extra["epic"]["sources"]] == ["bridge.txt#0"]
     assert "412" in r.choices[0].message.content, r.choices[0].message.content
-    r = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=4,
-                                       messages=[{"role": "system", "content": "Answer in one word."},
-                                                 {"role": "user", "content": "Say hello."}],
-                                       extra_body={"use_retrieval": False})
+    r = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        max_tokens=4,
+        messages=[{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Say hello."}],
+        extra_body={"use_retrieval": False},
+    )
     assert r.model_extra["epic"]["sources"] == [] and r.choices[0].message.content
 
 
@@ -130,8 +146,12 @@ async def test_concurrent_streams_are_batched_not_serialised(server):
     async def one(q):
         first = last = None
         stream = await client.chat.completions.create(
-            model="smollm2-135m-instruct", max_tokens=12, stream=True, messages=[{"role": "user", "content": q}],
-            extra_body={"policy": "legolink-16"})
+            model="smollm2-135m-instruct",
+            max_tokens=12,
+            stream=True,
+            messages=[{"role": "user", "content": q}],
+            extra_body={"policy": "legolink-16"},
+        )
         async for c in stream:
             if c.choices and c.choices[0].delta.content:
                 now = time.perf_counter()
@@ -149,9 +169,16 @@ def test_disconnect_mid_stream_aborts_the_request_in_the_engine(server, smol_eng
     assert _engine_idle(smol_engine, 30)
     before = server.app.state.demo.metrics.chat.labels("legolink-16", "true", "cancelled")._value.get()
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
-        with c.stream("POST", "/v1/chat/completions", json={
+        with c.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
                 "messages": [{"role": "user", "content": "Write a long story about the Larkspur Bridge."}],
-                "stream": True, "max_tokens": 400, "policy": "legolink-16"}) as r:
+                "stream": True,
+                "max_tokens": 400,
+                "policy": "legolink-16",
+            },
+        ) as r:
             got = 0
             for line in r.iter_lines():
                 if line.startswith("data: {") and '"content":"' in line and '"role"' not in line:
@@ -159,38 +186,47 @@ def test_disconnect_mid_stream_aborts_the_request_in_the_engine(server, smol_eng
                     if got == 3:
                         break
             assert got == 3
-            assert smol_engine.runtime.in_flight()    # still generating when the client goes away
+            assert smol_engine.runtime.in_flight()  # still generating when the client goes away
     t0 = time.time()
     assert _engine_idle(smol_engine, 5), "request still running in the engine after the client left"
-    assert time.time() - t0 < 5                        # 400 tokens at ~20 tok/s would take ~20 s
+    assert time.time() - t0 < 5  # 400 tokens at ~20 tok/s would take ~20 s
     after = server.app.state.demo.metrics.chat.labels("legolink-16", "true", "cancelled")._value.get()
     assert after == before + 1
 
 
-@pytest.mark.parametrize("body,status,needle", [
-    (b'{"messages": [', 400, "JSON"),
-    (json.dumps({"messages": [{"role": "user", "content": ["not", "parts"]}]}).encode(), 400, "content"),
-    (json.dumps({"messages": []}).encode(), 400, "messages"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400, "max_tokens"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}).encode(), 400, "512"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "policy": "fastest"}).encode(), 400, "policy"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "top_k": "3"}).encode(), 400, "top_k"),
-    (b'{"messages": [{"role": "user", "content": "' + b"a" * (2 << 20) + b'"}]}', 413, "limit"),
-])
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        (b'{"messages": [', 400, "JSON"),
+        (json.dumps({"messages": [{"role": "user", "content": ["not", "parts"]}]}).encode(), 400, "content"),
+        (json.dumps({"messages": []}).encode(), 400, "messages"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}).encode(), 400, "512"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "policy": "fastest"}).encode(), 400, "policy"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "top_k": "3"}).encode(), 400, "top_k"),
+        (b'{"messages": [{"role": "user", "content": "' + b"a" * (2 << 20) + b'"}]}', 413, "limit"),
+    ],
+)
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server, client, body, status, needle):
-    r = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=30,
-                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
-    ok = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=2,
-                                        messages=[{"role": "user", "content": QUESTION}])
+    ok = client.chat.completions.create(
+        model="smollm2-135m-instruct", max_tokens=2, messages=[{"role": "user", "content": QUESTION}]
+    )
     assert ok.choices[0].message.content
 
 
 def test_openai_client_sees_errors_as_exceptions(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=0,
-                                       messages=[{"role": "user", "content": QUESTION}])
+        client.chat.completions.create(
+            model="smollm2-135m-instruct", max_tokens=0, messages=[{"role": "user", "content": QUESTION}]
+        )
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": QUESTION}])
     bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
@@ -205,8 +241,11 @@ def test_uploaded_document_is_compiled_and_answers_questions(server, client):
     assert r.status_code == 202, r.text
     assert server.app.state.demo.library.wait_ready(60)
     assert (server.corpus / "orsa.txt").exists()
-    r = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=24,
-                                       messages=[{"role": "user", "content": "What is the door code for the Orsa Point lighthouse?"}])
+    r = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        max_tokens=24,
+        messages=[{"role": "user", "content": "What is the door code for the Orsa Point lighthouse?"}],
+    )
     e = r.model_extra["epic"]
     assert e["sources"][0]["doc"] == "orsa.txt" and e["chunk_misses"] == 0
     assert "5521" in r.choices[0].message.content, r.choices[0].message.content
@@ -215,8 +254,9 @@ def test_uploaded_document_is_compiled_and_answers_questions(server, client):
 
 
 def test_metrics_after_real_requests(server, client):
-    client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=2,
-                                   messages=[{"role": "user", "content": QUESTION}])
+    client.chat.completions.create(
+        model="smollm2-135m-instruct", max_tokens=2, messages=[{"role": "user", "content": QUESTION}]
+    )
     text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert 'epic_rag_chat_completions_total{outcome="ok",policy="legolink-16",stream="false"}' in text
     assert "epic_rag_time_to_first_token_seconds_count" in text

@@ -2,6 +2,7 @@
 open the page, ask, watch the answer stream in with citations and stats; document text stays text.
 
 Set DEMO_SCREENSHOT=docs/demo-screenshot.png to refresh the README's screenshot."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,16 @@ from epic_rag.corpus import pydoc_documents
 pytestmark = pytest.mark.smollm
 
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 KEY = "e2e-key"
 
 
@@ -30,14 +39,17 @@ def server(smol_engine, tmp_path_factory):
     root = tmp_path_factory.mktemp("demo-e2e")
     corpus = root / "corpus"
     corpus.mkdir()
-    (corpus / "archive.txt").write_text("The secret passcode for the archive room is 7314. "
-                                        "Only the head librarian may share it.")
-    (corpus / "bridge.txt").write_text("The Larkspur Bridge opened in 1931. It crosses the Vell River and is "
-                                       "412 metres long.")
+    (corpus / "archive.txt").write_text(
+        "The secret passcode for the archive room is 7314. Only the head librarian may share it."
+    )
+    (corpus / "bridge.txt").write_text(
+        "The Larkspur Bridge opened in 1931. It crosses the Vell River and is 412 metres long."
+    )
     for doc in pydoc_documents(["json"]):
         (corpus / doc.name).write_text(doc.text)
-    app = create_app(engine=smol_engine, config=DemoConfig(corpus=str(corpus), data_dir=root / "data",
-                                                           api_key=KEY, top_k=3))
+    app = create_app(
+        engine=smol_engine, config=DemoConfig(corpus=str(corpus), data_dir=root / "data", api_key=KEY, top_k=3)
+    )
     srv = BackgroundServer(app).start()
     assert app.state.demo.library.wait_ready(300), app.state.demo.library.status()
     yield srv
@@ -75,8 +87,9 @@ def test_page_loads_documents_and_progress(page):
     page.wait_for_function("() => document.querySelectorAll('#doc-list li').length >= 3", timeout=30_000)
     names = page.locator("#doc-list .doc-name").all_text_contents()
     assert {"archive.txt", "bridge.txt", "pydoc-json.txt"} <= set(names)
-    page.wait_for_function("() => document.getElementById('ingest-text').textContent.includes('chunks compiled')",
-                           timeout=30_000)
+    page.wait_for_function(
+        "() => document.getElementById('ingest-text').textContent.includes('chunks compiled')", timeout=30_000
+    )
     assert page.locator("#policy option").count() >= 4
 
 
@@ -110,28 +123,41 @@ def test_policy_switch_shows_the_difference(page):
 
 
 def test_uploaded_markup_is_shown_as_text_never_run(page, server):
-    page.set_input_files("#upload-file", files=[{
-        "name": "gate<i>notes<i>.txt", "mimeType": "text/plain",
-        "buffer": b"<img src=x onerror=\"window.__pwned=1\"><script>window.__pwned=2</script> "
-                  b"The gate code for the north gate is 4242."}])
+    page.set_input_files(
+        "#upload-file",
+        files=[
+            {
+                "name": "gate<i>notes<i>.txt",
+                "mimeType": "text/plain",
+                "buffer": b'<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script> '
+                b"The gate code for the north gate is 4242.",
+            }
+        ],
+    )
     page.click("#upload-btn")
-    page.wait_for_function("() => document.getElementById('upload-msg').textContent.includes('background')",
-                           timeout=30_000)
-    page.wait_for_function("() => [...document.querySelectorAll('#doc-list .doc-name')]"
-                           ".some(e => e.textContent.includes('gate<i>notes<'))", timeout=30_000)
+    page.wait_for_function(
+        "() => document.getElementById('upload-msg').textContent.includes('background')", timeout=30_000
+    )
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#doc-list .doc-name')]"
+        ".some(e => e.textContent.includes('gate<i>notes<'))",
+        timeout=30_000,
+    )
     assert page.locator("#doc-list i").count() == 0
     page.uncheck("#retrieval")
     page.check("#retrieval")
     bubble = _ask(page, "What is the gate code for the north gate?")
     pre = bubble.locator(".src-text").all_text_contents()
-    assert any("<img src=x" in t for t in pre), pre          # shown literally
+    assert any("<img src=x" in t for t in pre), pre  # shown literally
     assert page.locator("#messages img, #messages script").count() == 0
     assert page.evaluate("window.__pwned") is None
     # Delete it from the page (the confirm dialog is accepted).
     page.once("dialog", lambda d: d.accept())
     page.locator("#doc-list li", has_text="gate<i>notes").locator("button.del").click()
-    page.wait_for_function("() => ![...document.querySelectorAll('#doc-list .doc-name')]"
-                           ".some(e => e.textContent.includes('gate<i>'))", timeout=30_000)
+    page.wait_for_function(
+        "() => ![...document.querySelectorAll('#doc-list .doc-name')].some(e => e.textContent.includes('gate<i>'))",
+        timeout=30_000,
+    )
     assert page.locator("#upload-msg").text_content().startswith("deleted gate<i>notes<i>.txt")
 
 
@@ -143,8 +169,9 @@ def test_screenshot(page, tmp_path):
     bubble.locator(".source summary").first.click()
     bubble.locator(".reask button", has_text="full").click()
     page.locator(".bubble.assistant").nth(1).locator(".stats .stat").first.wait_for(timeout=120_000)
-    page.wait_for_function("() => document.getElementById('ingest-text').textContent.includes('chunks compiled')",
-                           timeout=30_000)
+    page.wait_for_function(
+        "() => document.getElementById('ingest-text').textContent.includes('chunks compiled')", timeout=30_000
+    )
     page.evaluate("() => document.activeElement.blur()")
     out = Path(os.environ.get("DEMO_SCREENSHOT") or tmp_path / "demo.png")
     out.parent.mkdir(parents=True, exist_ok=True)

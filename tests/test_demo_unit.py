@@ -1,5 +1,6 @@
 """Demo server without a model: a scripted fake engine and a bag-of-words encoder stand in, so the HTTP
 contract (validation, limits, auth, uploads, SSE framing, cancellation, metrics) is checked in seconds."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,8 @@ from epic_rag.types import ChunkRef, Delta, Generation, RagRequest
 
 FACTS = {
     "bridge.txt": "The Larkspur Bridge opened in 1931. It crosses the Vell River and is 412 metres long.",
-    "archive.md": "# Archive\n\nThe secret passcode for the archive room is 7314. Only the head librarian may share it.",
+    "archive.md": "# Archive\n\nThe secret passcode for the archive room is 7314. "
+    "Only the head librarian may share it.",
 }
 
 
@@ -79,8 +81,10 @@ class FakeEngine:
 
     def compile(self, texts, policy=None):
         self.compiled += list(texts)
-        return [ChunkRef("plain-" + hashlib.sha256(t.encode()).hexdigest()[:40], len(self.tokenizer.encode(t)), t)
-                for t in texts]
+        return [
+            ChunkRef("plain-" + hashlib.sha256(t.encode()).hexdigest()[:40], len(self.tokenizer.encode(t)), t)
+            for t in texts
+        ]
 
     def render_messages(self, messages):
         return [self.tokenizer.apply_chat_template(messages)]
@@ -90,7 +94,7 @@ class FakeEngine:
 
     async def astream_events(self, prepared):
         request, max_tokens, policy = prepared["request"], prepared["max_tokens"], prepared["policy"]
-        if isinstance(request, RagRequest) and "FAIL" in request.question:   # an error while generating
+        if isinstance(request, RagRequest) and "FAIL" in request.question:  # an error while generating
             raise ValueError("prompt of 99999 tokens does not fit the context window")
         self.requests.append(prepared)
         self.active += 1
@@ -101,17 +105,32 @@ class FakeEngine:
                 await asyncio.sleep(self.delay)
                 t_first = t_first or time.perf_counter()
                 ids.append(i)
-                yield Delta(text=("" if i == 0 else " ") + f"w{i}", token_ids=[i], finished=i == max_tokens - 1,
-                            finish_reason="length" if i == max_tokens - 1 else None, t=time.perf_counter())
+                yield Delta(
+                    text=("" if i == 0 else " ") + f"w{i}",
+                    token_ids=[i],
+                    finished=i == max_tokens - 1,
+                    finish_reason="length" if i == max_tokens - 1 else None,
+                    t=time.perf_counter(),
+                )
         except BaseException:
             self.aborted += 1
             raise
         finally:
             self.active -= 1
         n_chunks = len(request.chunks) if isinstance(request, RagRequest) else 0
-        yield Generation(text=" ".join(f"w{i}" for i in ids), token_ids=ids, ttft_s=(t_first or t0) - t0,
-                         total_s=time.perf_counter() - t0, prompt_tokens=100, linked_tokens=80, recomputed_tokens=20,
-                         chunk_hits=n_chunks, chunk_misses=0, policy=policy or "legolink-16", finish_reason="length")
+        yield Generation(
+            text=" ".join(f"w{i}" for i in ids),
+            token_ids=ids,
+            ttft_s=(t_first or t0) - t0,
+            total_s=time.perf_counter() - t0,
+            prompt_tokens=100,
+            linked_tokens=80,
+            recomputed_tokens=20,
+            chunk_hits=n_chunks,
+            chunk_misses=0,
+            policy=policy or "legolink-16",
+            finish_reason="length",
+        )
 
 
 @pytest.fixture()
@@ -122,8 +141,16 @@ def demo(tmp_path):
         (corpus / name).write_text(text)
     (corpus / "bad.txt").write_bytes(b"\xff\xfe not utf-8")
     engine = FakeEngine(delay=0.002)
-    cfg = DemoConfig(corpus=str(corpus), data_dir=tmp_path / "data", store="memory", api_key="sekret",
-                     max_upload_bytes=4096, max_body_bytes=64 << 10, max_tokens_limit=256, max_prompt_chars=2000)
+    cfg = DemoConfig(
+        corpus=str(corpus),
+        data_dir=tmp_path / "data",
+        store="memory",
+        api_key="sekret",
+        max_upload_bytes=4096,
+        max_body_bytes=64 << 10,
+        max_tokens_limit=256,
+        max_prompt_chars=2000,
+    )
     app = create_app(engine=engine, config=cfg, encoder=HashEncoder())
     server = BackgroundServer(app).start()
     assert app.state.demo.library.wait_ready(30)
@@ -134,8 +161,11 @@ def demo(tmp_path):
 
 
 def _chat(client, **kw):
-    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "What is the passcode?"}],
-            "max_tokens": 4}
+    body = {
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": "What is the passcode?"}],
+        "max_tokens": 4,
+    }
     body.update(kw)
     return client.post("/v1/chat/completions", json=body)
 
@@ -144,8 +174,22 @@ def test_upload_names_that_could_escape_the_folder_are_refused():
     assert safe_upload_name("notes.txt") == "notes.txt"
     assert safe_upload_name("sub/dir/notes.md") == "notes.md"
     assert safe_upload_name("C_notes.pdf") == "C_notes.pdf"
-    for bad in ["../x.txt", "a/../../x.txt", "/etc/passwd.txt", "\\\\server\\x.txt", "C:\\x.txt", "x\x00.txt",
-                "", "   ", ".hidden.txt", "x.exe", "noext", "a\nb.txt", "..", "x" * 300 + ".txt"]:
+    for bad in [
+        "../x.txt",
+        "a/../../x.txt",
+        "/etc/passwd.txt",
+        "\\\\server\\x.txt",
+        "C:\\x.txt",
+        "x\x00.txt",
+        "",
+        "   ",
+        ".hidden.txt",
+        "x.exe",
+        "noext",
+        "a\nb.txt",
+        "..",
+        "x" * 300 + ".txt",
+    ]:
         with pytest.raises(ValueError):
             safe_upload_name(bad)
 
@@ -161,7 +205,7 @@ def test_default_config_is_local_and_uses_a_disk_store_under_the_data_dir(tmp_pa
     cfg = DemoConfig(data_dir=tmp_path)
     assert cfg.store_spec.endswith(f"+disk:{tmp_path / 'kv'}")
     store = open_demo_store(cfg.store_spec)
-    assert list(store.tier_stats()) == ["memory", "disk"]        # a restart finds compiled chunks on disk
+    assert list(store.tier_stats()) == ["memory", "disk"]  # a restart finds compiled chunks on disk
     assert cfg.corpus == "builtin:pydoc" and cfg.uploads_dir == tmp_path / "uploads"
     with pytest.raises(ValueError):
         DemoConfig(policy="bogus")
@@ -171,7 +215,7 @@ def test_corpus_is_chunked_indexed_and_compiled_in_the_background(demo):
     server, client, engine, app, _ = demo
     assert client.get("/healthz").json()["status"] == "ok"
     docs = {d["name"]: d for d in client.get("/api/documents").json()["documents"]}
-    assert set(docs) == {"bridge.txt", "archive.md"}          # bad.txt (not UTF-8) skipped
+    assert set(docs) == {"bridge.txt", "archive.md"}  # bad.txt (not UTF-8) skipped
     assert all(d["state"] == "ready" and d["compiled"] == d["chunks"] >= 1 for d in docs.values())
     st = client.get("/api/status").json()
     assert st["state"] == "ready" and st["compiled"] == st["chunks"] and any("UTF-8" in e for e in st["errors"])
@@ -192,14 +236,21 @@ def test_chat_completion_non_stream_carries_usage_sources_and_epic_stats(demo):
     assert e["policy"] == "naive" and e["linked_tokens"] == 80 and e["recomputed_tokens"] == 20
     assert [s["doc"] for s in e["sources"]] == ["archive.md"] and e["sources"][0]["compiled"]
     req = engine.requests[-1]["request"]
-    assert isinstance(req, RagRequest) and isinstance(req.chunks[0], ChunkRef)   # compiled refs are linked
+    assert isinstance(req, RagRequest) and isinstance(req.chunks[0], ChunkRef)  # compiled refs are linked
 
 
 def test_stream_framing_role_first_finish_last_then_done(demo):
     _, client, _, _, _ = demo
-    with client.stream("POST", "/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "How long is the bridge?"}], "stream": True, "max_tokens": 3,
-            "stream_options": {"include_usage": True}}) as r:
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "How long is the bridge?"}],
+            "stream": True,
+            "max_tokens": 3,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
     assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
@@ -217,10 +268,16 @@ def test_extra_fields_chunk_ids_and_no_retrieval(demo):
     _, client, engine, _, _ = demo
     r = _chat(client, chunk_ids=["bridge.txt#0"])
     assert r.status_code == 200 and [s["id"] for s in r.json()["epic"]["sources"]] == ["bridge.txt#0"]
-    r = _chat(client, use_retrieval=False, messages=[{"role": "system", "content": "Be brief."},
-                                                     {"role": "user", "content": "hi"},
-                                                     {"role": "assistant", "content": "hello"},
-                                                     {"role": "user", "content": "bye"}])
+    r = _chat(
+        client,
+        use_retrieval=False,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "bye"},
+        ],
+    )
     assert r.status_code == 200 and r.json()["epic"]["sources"] == []
     prompt = engine.requests[-1]["request"]
     assert prompt == ["<system>Be brief.\n<user>hi\n<assistant>hello\n<user>bye\n<assistant>"]
@@ -228,27 +285,38 @@ def test_extra_fields_chunk_ids_and_no_retrieval(demo):
     assert r.status_code == 400 and "nope.txt#9" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("body,status,needle", [
-    (b"{not json", 400, "not valid JSON"),
-    (b"[1, 2]", 400, ""),
-    (json.dumps({"messages": "hi"}).encode(), 400, "messages"),
-    (json.dumps({"messages": []}).encode(), 400, "messages"),
-    (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), 400, "content"),
-    (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "role"),
-    (json.dumps({"messages": [{"role": "user", "content": "  "}]}).encode(), 400, "non-empty user message"),
-    (json.dumps({"messages": [{"role": "assistant", "content": "x"}]}).encode(), 400, "user message"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400, "max_tokens"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}).encode(), 400, "max_tokens"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}).encode(), 400, "at most 256"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}).encode(), 400, "max_tokens"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), 400, "stream"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "policy": "warp-9"}).encode(), 400, "unknown policy"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "top_k": 999}).encode(), 400, "top_k"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": 9}).encode(), 400, "temperature"),
-    (json.dumps({"messages": [{"role": "user", "content": "x" * 2001}]}).encode(), 400, "prompt too long"),
-    (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "gpt-9"),
-    (json.dumps({"messages": [{"role": "user", "content": "x" * (70 << 10)}]}).encode(), 413, "limit"),
-])
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, ""),
+        (json.dumps({"messages": "hi"}).encode(), 400, "messages"),
+        (json.dumps({"messages": []}).encode(), 400, "messages"),
+        (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), 400, "content"),
+        (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "role"),
+        (json.dumps({"messages": [{"role": "user", "content": "  "}]}).encode(), 400, "non-empty user message"),
+        (json.dumps({"messages": [{"role": "assistant", "content": "x"}]}).encode(), 400, "user message"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}).encode(), 400, "max_tokens"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}).encode(),
+            400,
+            "at most 256",
+        ),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}).encode(), 400, "max_tokens"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), 400, "stream"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}], "policy": "warp-9"}).encode(),
+            400,
+            "unknown policy",
+        ),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "top_k": 999}).encode(), 400, "top_k"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": 9}).encode(), 400, "temperature"),
+        (json.dumps({"messages": [{"role": "user", "content": "x" * 2001}]}).encode(), 400, "prompt too long"),
+        (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "gpt-9"),
+        (json.dumps({"messages": [{"role": "user", "content": "x" * (70 << 10)}]}).encode(), 413, "limit"),
+    ],
+)
 def test_malformed_chat_requests_get_4xx_with_a_message_and_serving_goes_on(demo, body, status, needle):
     _, client, _, _, _ = demo
     r = client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
@@ -262,8 +330,9 @@ def test_engine_value_error_is_a_400_and_an_sse_error_event(demo):
     _, client, _, _, _ = demo
     r = _chat(client, messages=[{"role": "user", "content": "FAIL please"}])
     assert r.status_code == 400 and "context window" in r.json()["error"]["message"]
-    with client.stream("POST", "/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "FAIL please"}], "stream": True}) as s:
+    with client.stream(
+        "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "FAIL please"}], "stream": True}
+    ) as s:
         lines = [ln for ln in s.iter_lines() if ln]
     assert "context window" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
     assert _chat(client).status_code == 200
@@ -273,8 +342,14 @@ def test_api_key_guards_every_working_route_but_not_healthz(demo):
     server, client, _, _, _ = demo
     anon = httpx.Client(base_url=server.url, timeout=10)
     assert anon.get("/healthz").status_code == 200
-    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/api/documents"),
-                         ("GET", "/api/status"), ("POST", "/v1/chat/completions"), ("DELETE", "/api/documents/x.txt")]:
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("GET", "/api/documents"),
+        ("GET", "/api/status"),
+        ("POST", "/v1/chat/completions"),
+        ("DELETE", "/api/documents/x.txt"),
+    ]:
         r = anon.request(method, path, json={})
         assert r.status_code == 401, (path, r.status_code)
         assert "API key" in r.json()["error"]["message"]
@@ -287,7 +362,9 @@ def test_api_key_guards_every_working_route_but_not_healthz(demo):
 
 def test_upload_list_and_delete_documents(demo):
     _, client, engine, app, corpus = demo
-    r = client.post("/api/documents", files={"file": ("tovin.txt", b"Tovin is a small town. Its market is on Thursday.")})
+    r = client.post(
+        "/api/documents", files={"file": ("tovin.txt", b"Tovin is a small town. Its market is on Thursday.")}
+    )
     assert r.status_code == 202, r.text
     assert app.state.demo.library.wait_ready(30)
     assert (corpus / "tovin.txt").exists()
@@ -303,23 +380,31 @@ def test_upload_list_and_delete_documents(demo):
     assert client.delete("/api/documents/tovin.txt").status_code == 404
 
 
-@pytest.mark.parametrize("name,data,status,needle", [
-    ("../../evil.txt", b"hello", 400, ".."),
-    ("/etc/cron.d/evil.txt", b"hello", 400, "absolute"),
-    ("ev\x00il.txt", b"hello", 400, "NUL"),
-    ("bad.txt", b"\xff\xfe\xfa broken", 400, "UTF-8"),
-    ("nul.txt", b"abc\x00def", 400, "NUL"),
-    ("empty.txt", b"   ", 400, "no text"),
-    ("tool.exe", b"MZ", 400, "unsupported"),
-    ("big.txt", b"x" * 5000, 413, "limit"),
-    ("huge.txt", b"x" * (200 << 10), 413, "limit"),
-])
+@pytest.mark.parametrize(
+    "name,data,status,needle",
+    [
+        ("../../evil.txt", b"hello", 400, ".."),
+        ("/etc/cron.d/evil.txt", b"hello", 400, "absolute"),
+        ("ev\x00il.txt", b"hello", 400, "NUL"),
+        ("bad.txt", b"\xff\xfe\xfa broken", 400, "UTF-8"),
+        ("nul.txt", b"abc\x00def", 400, "NUL"),
+        ("empty.txt", b"   ", 400, "no text"),
+        ("tool.exe", b"MZ", 400, "unsupported"),
+        ("big.txt", b"x" * 5000, 413, "limit"),
+        ("huge.txt", b"x" * (200 << 10), 413, "limit"),
+    ],
+)
 def test_bad_uploads_are_refused_and_nothing_escapes_the_folder(demo, tmp_path, name, data, status, needle):
     _, client, _, _, corpus = demo
     before = sorted(p.name for p in tmp_path.rglob("*"))
     # Raw multipart: httpx would percent-encode a NUL or quote in the file name.
-    body = (b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="' + name.encode() +
-            b'"\r\nContent-Type: text/plain\r\n\r\n' + data + b"\r\n--XyZ--\r\n")
+    body = (
+        b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="'
+        + name.encode()
+        + b'"\r\nContent-Type: text/plain\r\n\r\n'
+        + data
+        + b"\r\n--XyZ--\r\n"
+    )
     r = client.post("/api/documents", content=body, headers={"Content-Type": "multipart/form-data; boundary=XyZ"})
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
@@ -331,8 +416,11 @@ def test_disconnecting_client_cancels_its_generation(demo):
     server, client, engine, _, _ = demo
     engine.delay = 0.05
     aborted = engine.aborted
-    with client.stream("POST", "/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "stream a while"}], "stream": True, "max_tokens": 200}) as r:
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "stream a while"}], "stream": True, "max_tokens": 200},
+    ) as r:
         for line in r.iter_lines():
             if '"content":"w1"' in line or '"content":" w1"' in line:
                 break
@@ -372,7 +460,7 @@ def test_concurrent_chats_overlap_in_the_engine(demo):
         t.join()
     watcher_stop.set()
     w.join()
-    assert max(seen) >= 2          # no global lock: several generations were in flight at once
+    assert max(seen) >= 2  # no global lock: several generations were in flight at once
 
 
 def test_metrics_expose_requests_ttft_store_tiers_and_errors(demo):
@@ -404,9 +492,12 @@ def test_ingestion_waits_while_chats_are_answered(demo):
     while not engine.active and time.time() < deadline:
         time.sleep(0.01)
     n = len(engine.compiled)
-    assert client.post("/api/documents", files={"file": ("later.txt", b"Some later text about ferries.")}).status_code == 202
+    assert (
+        client.post("/api/documents", files={"file": ("later.txt", b"Some later text about ferries.")}).status_code
+        == 202
+    )
     time.sleep(0.5)
-    assert not done.is_set() and len(engine.compiled) == n       # indexed, but not compiled during the chat
+    assert not done.is_set() and len(engine.compiled) == n  # indexed, but not compiled during the chat
     t.join()
     engine.delay = 0.0
     assert lib.wait_ready(10) and len(engine.compiled) == n + 1
@@ -416,10 +507,11 @@ def test_non_stream_request_is_cancelled_when_the_client_gives_up(demo):
     server, client, engine, app, _ = demo
     engine.delay = 0.05
     aborted = engine.aborted
-    with httpx.Client(base_url=server.url, headers={"Authorization": "Bearer sekret"},
-                      timeout=httpx.Timeout(30, read=0.5)) as c:
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": "Bearer sekret"}, timeout=httpx.Timeout(30, read=0.5)
+    ) as c:
         with pytest.raises(httpx.ReadTimeout):
-            _chat(c, max_tokens=200)                    # 200 x 50 ms: the client leaves after 0.5 s
+            _chat(c, max_tokens=200)  # 200 x 50 ms: the client leaves after 0.5 s
     deadline = time.time() + 5
     while engine.active and time.time() < deadline:
         time.sleep(0.05)

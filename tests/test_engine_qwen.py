@@ -1,6 +1,7 @@
 """Qwen2.5-Coder-0.5B-Instruct end to end (fp32): QKV biases, RoPE theta 1e6 and 7:1 grouped KV heads are
 covered by the exactness guarantee, and the demo's model answers from linked chunks. One engine, in its own
 pytest session (`make test` runs `-m qwen` apart: vLLM allows one engine per process)."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,16 @@ QUESTION = "How do I pretty-print JSON with indentation in Python?"
 def qwen_engine():
     from epic_rag import EpicEngine
 
-    eng = EpicEngine(EngineConfig(model="qwen2.5-coder-0.5b-instruct", policy="legolink-16", dtype="float32",
-                                  max_model_len=4096, max_num_seqs=4, kv_cache_gib=2))
+    eng = EpicEngine(
+        EngineConfig(
+            model="qwen2.5-coder-0.5b-instruct",
+            policy="legolink-16",
+            dtype="float32",
+            max_model_len=4096,
+            max_num_seqs=4,
+            kv_cache_gib=2,
+        )
+    )
     yield eng
     eng.shutdown()
 

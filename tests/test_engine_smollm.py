@@ -1,4 +1,5 @@
 """Behaviour on the real SmolLM2-135M-Instruct (fp32)."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,11 @@ def test_smollm_legolink_with_full_k_generates_the_same_tokens_as_full(smol_engi
 def test_smollm_answers_from_linked_chunks_in_any_order(smol_engine):
     smol_engine.compile(PASSAGES)
     for order in (PASSAGES, PASSAGES[::-1]):
-        g = smol_engine.generate(RagRequest(question="What is the secret passcode for the archive room?",
-                                            chunks=order), max_tokens=24, policy="legolink-16")
+        g = smol_engine.generate(
+            RagRequest(question="What is the secret passcode for the archive room?", chunks=order),
+            max_tokens=24,
+            policy="legolink-16",
+        )
         assert g.chunk_misses == 0 and g.chunk_hits == 3
         assert "7314" in g.text, g.text
         assert 0 < g.recomputed_tokens < g.prompt_tokens and g.linked_tokens > 0

@@ -1,4 +1,5 @@
 """Exactness of compile + link on a tiny random Llama (fp32)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,8 @@ from epic_rag.policy import SINK_LEN
 CHUNKS = [
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n",
     "import os\nimport sys\nprint(os.path.join(sys.prefix, 'lib'))\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n        self.items.append(x)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n"
+    "    def push(self, x):\n        self.items.append(x)\n",
 ]
 QUESTION = "which function subtracts?"
 
@@ -100,11 +102,20 @@ def test_linked_kv_never_served_to_exact_requests(tiny_engine):
 
 
 def test_one_compile_without_a_policy_serves_every_policy_with_no_misses(tiny_engine):
-    chunks = [c.replace("a", "q") for c in CHUNKS]          # texts no other test compiled
+    chunks = [c.replace("a", "q") for c in CHUNKS]  # texts no other test compiled
     refs = tiny_engine.compile(chunks)
     assert all(r.key.startswith(f"sink{SINK_LEN}-") for r in refs)
-    for pol in ("legolink-0", "legolink-2", "legolink-16", "legolink-epic-16", "legolink-sink-16", "naive",
-                "cacheblend-15", "full", "prefix"):
+    for pol in (
+        "legolink-0",
+        "legolink-2",
+        "legolink-16",
+        "legolink-epic-16",
+        "legolink-sink-16",
+        "naive",
+        "cacheblend-15",
+        "full",
+        "prefix",
+    ):
         g = tiny_engine.generate(_req(chunks), max_tokens=2, policy=pol)
         assert g.chunk_misses == 0, pol
         if parse_policy(pol).links_chunks:
@@ -115,7 +126,7 @@ def test_cacheblend_recomputes_a_fraction_of_chunk_tokens(tiny_engine):
     g0 = tiny_engine.generate(_req(), max_tokens=4, policy="naive")
     g15 = tiny_engine.generate(_req(), max_tokens=4, policy="cacheblend-15")
     g100 = tiny_engine.generate(_req(), max_tokens=16, policy="cacheblend-100")
-    span_tokens = sum(r.num_tokens + SINK_LEN for r in tiny_engine.compile(CHUNKS))   # sinks are candidates too
+    span_tokens = sum(r.num_tokens + SINK_LEN for r in tiny_engine.compile(CHUNKS))  # sinks are candidates too
     assert g15.recomputed_tokens - g0.recomputed_tokens == round(0.15 * span_tokens)
     assert g100.token_ids == _full_on_same_tokens(tiny_engine, _req(), "cacheblend-100", 16).token_ids
 
@@ -138,36 +149,41 @@ async def test_concurrent_requests_are_batched_and_each_exact(tiny_engine):
 
     perms = list(itertools.permutations(CHUNKS))
     refs = [tiny_engine.generate(_req(p), max_tokens=8, policy="full").token_ids for p in perms]
-    got = await asyncio.gather(*[tiny_engine.agenerate(_req(p), max_tokens=8, policy="legolink-4096")
-                                 for p in perms])
+    got = await asyncio.gather(*[tiny_engine.agenerate(_req(p), max_tokens=8, policy="legolink-4096") for p in perms])
     assert [g.token_ids for g in got] == refs
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: RagRequest(question="q", chunks=[]), "at least one chunk"),
-    (lambda: RagRequest(question="q", chunks=[""]), "empty"),
-    (lambda: RagRequest(question="q", chunks=["   \n\t "]), "empty"),
-    (lambda: RagRequest(question="   ", chunks=["x"]), "question"),
-    (lambda: RagRequest(question="q", chunks=["word " * 3000]), "context window"),
-    (lambda: RagRequest(question="q", chunks=[ChunkRef("plain-doesnotexist", 3)]), "not in the store"),
-    (lambda: RagRequest(question="q", chunks=[42]), "string"),
-    (lambda: 12345, "RagRequest"),
-    (lambda: b"raw bytes", "RagRequest"),
-    (lambda: "", "empty"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: RagRequest(question="q", chunks=[]), "at least one chunk"),
+        (lambda: RagRequest(question="q", chunks=[""]), "empty"),
+        (lambda: RagRequest(question="q", chunks=["   \n\t "]), "empty"),
+        (lambda: RagRequest(question="   ", chunks=["x"]), "question"),
+        (lambda: RagRequest(question="q", chunks=["word " * 3000]), "context window"),
+        (lambda: RagRequest(question="q", chunks=[ChunkRef("plain-doesnotexist", 3)]), "not in the store"),
+        (lambda: RagRequest(question="q", chunks=[42]), "string"),
+        (lambda: 12345, "RagRequest"),
+        (lambda: b"raw bytes", "RagRequest"),
+        (lambda: "", "empty"),
+    ],
+)
 def test_bad_requests_raise_clear_errors_and_engine_keeps_serving(tiny_engine, make, match):
     with pytest.raises(ValueError, match=match):
         tiny_engine.generate(make(), max_tokens=4)
     assert tiny_engine.generate(_req(), max_tokens=2).token_ids
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"policy": "legolink"}, "unknown policy"),
-    ({"policy": "cacheblend-500"}, "unknown policy"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": -5}, "max_tokens"),
-    ({"temperature": -1.0}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"policy": "legolink"}, "unknown policy"),
+        ({"policy": "cacheblend-500"}, "unknown policy"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+    ],
+)
 def test_bad_generation_arguments_raise(tiny_engine, kwargs, match):
     with pytest.raises(ValueError, match=match):
         tiny_engine.generate(_req(), **kwargs)
@@ -219,19 +235,19 @@ async def test_cancelling_during_setup_aborts_the_submitted_request(tiny_engine,
     import asyncio
     import time
 
-    req = _req(["a chunk compiled on the fly, " * 20])   # a prompt the tiny model answers at full length
+    req = _req(["a chunk compiled on the fly, " * 20])  # a prompt the tiny model answers at full length
     ref = await tiny_engine.agenerate(req, max_tokens=1500, policy="legolink-4")
     if ref.finish_reason != "length" or ref.total_s < 3.0:
         pytest.skip("the tiny model stopped early: no long generation to cut short")
     link_spans = tiny_engine.chunks.link_spans
 
-    def slow_link_spans(*a, **k):      # a setup that takes a while (as compiling a long chunk does)
+    def slow_link_spans(*a, **k):  # a setup that takes a while (as compiling a long chunk does)
         time.sleep(0.5)
         return link_spans(*a, **k)
 
     monkeypatch.setattr(tiny_engine.chunks, "link_spans", slow_link_spans)
     task = asyncio.ensure_future(tiny_engine.agenerate(req, max_tokens=1500, policy="legolink-4"))
-    await asyncio.sleep(0.1)           # inside setup
+    await asyncio.sleep(0.1)  # inside setup
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

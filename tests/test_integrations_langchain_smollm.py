@@ -1,5 +1,6 @@
 """LangChain on the real SmolLM2: the standard integration suite for ChatEpic, and RAG over FAISS
 (langchain-community) with the packaged all-MiniLM-L6-v2 embeddings on Python's pydoc text."""
+
 from __future__ import annotations
 
 import os
@@ -9,20 +10,22 @@ import pytest
 pytest.importorskip("langchain_tests")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from _langchain_flags import ChatEpicFlags  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.messages import AIMessage, AIMessageChunk  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnablePassthrough  # noqa: E402
 from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
 
-from _langchain_flags import ChatEpicFlags  # noqa: E402
 from epic_rag.integrations import STAT_KEYS, set_shared_engine  # noqa: E402
 from epic_rag.integrations.langchain import ChatEpic, compile_documents, create_epic_rag_chain  # noqa: E402
 
 pytestmark = pytest.mark.smollm
 
-PASSAGE = ("The secret passcode for the archive room is 7314. Only the head librarian may share it, and only "
-           "with staff who have signed the archive register.")
+PASSAGE = (
+    "The secret passcode for the archive room is 7314. Only the head librarian may share it, and only "
+    "with staff who have signed the archive register."
+)
 
 
 @pytest.fixture(autouse=True)
@@ -63,8 +66,9 @@ def _pydoc_documents(tokenizer) -> list[Document]:
     docs = []
     for d in pydoc_documents(["json", "heapq", "bisect"]):
         for c in chunk_document(d, tokenizer, max_tokens=192):
-            docs.append(Document(page_content=c.text, metadata={"doc": c.doc, "index": c.index},
-                                 id=f"{c.doc}#{c.index}"))
+            docs.append(
+                Document(page_content=c.text, metadata={"doc": c.doc, "index": c.index}, id=f"{c.doc}#{c.index}")
+            )
     return docs
 
 
@@ -76,9 +80,10 @@ def lc_retriever(smol_engine):
     from epic_rag.embeddings import minilm_dir
 
     docs = _pydoc_documents(smol_engine.tokenizer)
-    compile_documents(docs, engine=smol_engine)          # compiled at ingest
-    emb = HuggingFaceEmbeddings(model_name=str(minilm_dir()), model_kwargs={"device": "cpu"},
-                                encode_kwargs={"normalize_embeddings": True})
+    compile_documents(docs, engine=smol_engine)  # compiled at ingest
+    emb = HuggingFaceEmbeddings(
+        model_name=str(minilm_dir()), model_kwargs={"device": "cpu"}, encode_kwargs={"normalize_embeddings": True}
+    )
     store = FAISS.from_documents(docs, emb)
     return store.as_retriever(search_kwargs={"k": 2})
 
@@ -122,12 +127,17 @@ async def test_lcel_rag_chain_ainvoke_and_astream(smol_engine, lc_retriever):
 def test_stock_lcel_prompt_pipeline_links_compiled_documents(smol_engine, lc_retriever):
     # The usual LCEL recipe (retriever | format_docs -> prompt -> model): ChatEpic finds the compiled
     # page_content inside the rendered messages.
-    prompt = ChatPromptTemplate.from_messages([
-        ("system", "Answer from the context."),
-        ("human", "Context:\n{context}\n\nQuestion: {question}")])
-    chain = ({"context": lc_retriever | (lambda ds: "\n\n".join(d.page_content for d in ds)),
-              "question": RunnablePassthrough()}
-             | prompt | ChatEpic(engine=smol_engine, max_tokens=16))
+    prompt = ChatPromptTemplate.from_messages(
+        [("system", "Answer from the context."), ("human", "Context:\n{context}\n\nQuestion: {question}")]
+    )
+    chain = (
+        {
+            "context": lc_retriever | (lambda ds: "\n\n".join(d.page_content for d in ds)),
+            "question": RunnablePassthrough(),
+        }
+        | prompt
+        | ChatEpic(engine=smol_engine, max_tokens=16)
+    )
     msg = chain.invoke("What does heapq.heappop do?")
     meta = msg.response_metadata
     assert meta["chunk_hits"] == 2 and meta["chunk_misses"] == 0 and meta["linked_tokens"] > 0

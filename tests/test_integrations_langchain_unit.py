@@ -1,14 +1,15 @@
 """LangChain's standard unit suite for ChatEpic (no engine is started: construction is lazy)."""
+
 from __future__ import annotations
 
 import pytest
 
 pytest.importorskip("langchain_tests")
 
+from _langchain_flags import ChatEpicFlags  # noqa: E402
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage  # noqa: E402
 from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
 
-from _langchain_flags import ChatEpicFlags  # noqa: E402
 from epic_rag.integrations.langchain import ChatEpic  # noqa: E402
 
 
@@ -40,5 +41,9 @@ def test_chat_epic_refuses_to_switch_models_per_call():
     m = ChatEpic(model="smollm2-135m-instruct")
     with pytest.raises(ValueError, match="cannot switch"):
         m._gen_kwargs(None, {"model": "other-model"})
-    assert m._gen_kwargs(["x"], {"max_tokens": 3, "temperature": 0.5}) == \
-        {"max_tokens": 3, "temperature": 0.5, "policy": None, "stop": ["x"]}
+    assert m._gen_kwargs(["x"], {"max_tokens": 3, "temperature": 0.5}) == {
+        "max_tokens": 3,
+        "temperature": 0.5,
+        "policy": None,
+        "stop": ["x"],
+    }

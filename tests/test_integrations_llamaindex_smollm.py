@@ -1,5 +1,6 @@
 """LlamaIndex on the real SmolLM2: a stock VectorStoreIndex query engine over FAISS (llama-index-vector-stores-faiss)
 with the packaged all-MiniLM-L6-v2 embeddings, on Python's pydoc text, linking retrieved nodes from cache."""
+
 from __future__ import annotations
 
 import os
@@ -67,8 +68,11 @@ def _pydoc_nodes(tokenizer) -> list[TextNode]:
     for d in pydoc_documents(["json", "heapq", "bisect"]):
         for c in chunk_document(d, tokenizer, max_tokens=192):
             # The metadata header ("doc: pydoc-heapq.txt") is part of what the LLM sees; not embedded.
-            nodes.append(TextNode(text=c.text, id_=f"{c.doc}#{c.index}", metadata={"doc": c.doc},
-                                  excluded_embed_metadata_keys=["doc"]))
+            nodes.append(
+                TextNode(
+                    text=c.text, id_=f"{c.doc}#{c.index}", metadata={"doc": c.doc}, excluded_embed_metadata_keys=["doc"]
+                )
+            )
     return nodes
 
 
@@ -84,8 +88,9 @@ def li_index(smol_engine):
     Settings.embed_model = HuggingFaceEmbedding(model_name=str(minilm_dir()))
     Settings.llm = EpicLLM(engine=smol_engine, max_tokens=24)
     compiler = EpicChunkCompiler(engine=smol_engine)
-    nodes = IngestionPipeline(transformations=[compiler, Settings.embed_model]).run(nodes=_pydoc_nodes(
-        smol_engine.tokenizer))
+    nodes = IngestionPipeline(transformations=[compiler, Settings.embed_model]).run(
+        nodes=_pydoc_nodes(smol_engine.tokenizer)
+    )
     store = FaissVectorStore(faiss_index=faiss.IndexFlatIP(384))
     index = VectorStoreIndex(nodes, storage_context=StorageContext.from_defaults(vector_store=store))
     yield index
@@ -106,7 +111,7 @@ def test_ingestion_compiles_each_node_llm_text_including_the_metadata_header(smo
 
 
 def test_stock_query_engine_answers_from_the_index_with_linked_chunks(smol_engine, li_index, events):
-    qe = li_index.as_query_engine(similarity_top_k=2)        # default response mode (compact)
+    qe = li_index.as_query_engine(similarity_top_k=2)  # default response mode (compact)
     response = qe.query(Q1)
     assert isinstance(response, Response) and response.response.strip()
     assert [n.node.node_id for n in response.source_nodes] == ["pydoc-heapq.txt#7", "pydoc-heapq.txt#2"]
@@ -114,7 +119,7 @@ def test_stock_query_engine_answers_from_the_index_with_linked_chunks(smol_engin
     assert set(STAT_KEYS) <= set(stats)
     assert stats["chunk_hits"] == 2 and stats["chunk_misses"] == 0 and stats["linked_tokens"] > 0
     compiled = [smol_engine.text_index.get(node_llm_text(n.node)).key for n in response.source_nodes]
-    assert stats["chunk_keys"] == compiled                   # the retrieved nodes, in prompt order
+    assert stats["chunk_keys"] == compiled  # the retrieved nodes, in prompt order
     assert any(isinstance(e, LLMChatStartEvent) for e in events)
 
 
@@ -149,7 +154,7 @@ def test_epic_synthesizer_passes_nodes_as_chunks_and_fills_response_metadata(smo
     meta = response.metadata
     assert set(STAT_KEYS) <= set(meta)
     assert meta["chunk_hits"] == 2 and meta["chunk_misses"] == 0 and meta["linked_tokens"] > 0
-    assert "pydoc-heapq.txt#2" in meta                       # the usual node metadata stays
+    assert "pydoc-heapq.txt#2" in meta  # the usual node metadata stays
 
 
 def test_epic_synthesizer_streaming_fills_metadata_when_the_stream_ends(li_index):

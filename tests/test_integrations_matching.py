@@ -1,4 +1,5 @@
 """Finding compiled chunk texts inside framework-rendered prompts (text index; tiny engine for str prompts)."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,8 +39,8 @@ def test_split_without_matches_returns_the_prompt_as_one_glue_piece():
 
 def test_matches_respect_word_boundaries_and_short_texts_are_ignored():
     idx = _index(A, "short text")
-    assert idx.split("x" + A) == ["x" + A]            # inside a longer word: not a chunk
-    assert len(idx) == 1                             # under min_chars: never registered
+    assert idx.split("x" + A) == ["x" + A]  # inside a longer word: not a chunk
+    assert len(idx) == 1  # under min_chars: never registered
     assert [type(s) for s in idx.split("(" + A + ")")] == [str, ChunkRef, str]
 
 
@@ -82,15 +83,22 @@ def test_engine_string_prompt_without_known_chunks_is_plain_text(tiny_engine):
 
 def test_render_messages_matches_chunks_inside_chat_templated_messages(tiny_engine):
     tiny_engine.compile(TINY_CHUNKS)
-    segs = tiny_engine.render_messages([
-        {"role": "system", "content": "Answer from the context."},
-        {"role": "user", "content": f"Context:\n{TINY_CHUNKS[0]}\n\nWhat does sub do?"}])
+    segs = tiny_engine.render_messages(
+        [
+            {"role": "system", "content": "Answer from the context."},
+            {"role": "user", "content": f"Context:\n{TINY_CHUNKS[0]}\n\nWhat does sub do?"},
+        ]
+    )
     refs = [s for s in segs if isinstance(s, ChunkRef)]
     assert [r.text for r in refs] == [TINY_CHUNKS[0]]
     text = tiny_engine.tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Answer from the context."},
-         {"role": "user", "content": f"Context:\n{TINY_CHUNKS[0]}\n\nWhat does sub do?"}],
-        tokenize=False, add_generation_prompt=True)
+        [
+            {"role": "system", "content": "Answer from the context."},
+            {"role": "user", "content": f"Context:\n{TINY_CHUNKS[0]}\n\nWhat does sub do?"},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert _join(segs) == text
     g = tiny_engine.generate(segs, max_tokens=2, policy="legolink-4")
     assert g.chunk_hits == 1 and g.chunk_misses == 0

@@ -9,6 +9,7 @@ versions of these faults (one tier, no engine) are in tests/test_store.py and te
 The engine under test is the session's `tiny_engine`; a test points it at another store by swapping
 `engine.store` (the only place the engine reads chunks from) and restores it afterwards.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +28,9 @@ import httpx
 import psutil
 import pytest
 import torch
+from test_demo_unit import HashEncoder
+from test_reliability_inputs import engine_idle
+from test_store import _mount_tmpfs, readonly_dir  # noqa: F401  (fixture)
 
 from apps.demo.config import DemoConfig
 from apps.demo.server import BackgroundServer, create_app
@@ -34,23 +38,32 @@ from epic_rag import RagRequest
 from epic_rag.engine.board import BOARD
 from epic_rag.store import DiskStore, MemoryStore, open_store
 from epic_rag.store.localredis import LocalRedis
-from test_demo_unit import HashEncoder
-from test_reliability_inputs import engine_idle
-from test_store import _mount_tmpfs, readonly_dir  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # A pool of chunks no other test compiles; request i links a rotating pair of them.
-POOL = [f"Fault fixture {i}: the {w} station logs {i * 37 % 101} readings per hour and reports to {c}."
-        for i, (w, c) in enumerate([("Aster", "Brill"), ("Corvel", "Dunmere"), ("Elsby", "Farrow"),
-                                    ("Gantry", "Holm"), ("Isel", "Jarrow"), ("Kestle", "Lorn"),
-                                    ("Marrow", "Nesh"), ("Orrin", "Pell")])]
+POOL = [
+    f"Fault fixture {i}: the {w} station logs {i * 37 % 101} readings per hour and reports to {c}."
+    for i, (w, c) in enumerate(
+        [
+            ("Aster", "Brill"),
+            ("Corvel", "Dunmere"),
+            ("Elsby", "Farrow"),
+            ("Gantry", "Holm"),
+            ("Isel", "Jarrow"),
+            ("Kestle", "Lorn"),
+            ("Marrow", "Nesh"),
+            ("Orrin", "Pell"),
+        ]
+    )
+]
 QUESTIONS = ["How many readings does the station log?", "Where does it report?", "Which station is it?"]
 
 
 def request(i: int) -> RagRequest:
-    return RagRequest(question=QUESTIONS[i % len(QUESTIONS)],
-                      chunks=[POOL[i % len(POOL)], POOL[(i * 3 + 1) % len(POOL)]])
+    return RagRequest(
+        question=QUESTIONS[i % len(QUESTIONS)], chunks=[POOL[i % len(POOL)], POOL[(i * 3 + 1) % len(POOL)]]
+    )
 
 
 N_DISTINCT = len(POOL) * len(QUESTIONS)
@@ -75,8 +88,9 @@ def references(tiny_engine):
     old = tiny_engine.store
     tiny_engine.store = MemoryStore()
     try:
-        return {i: tiny_engine.generate(request(i), max_tokens=6, policy="legolink-4").token_ids
-                for i in range(N_DISTINCT)}
+        return {
+            i: tiny_engine.generate(request(i), max_tokens=6, policy="legolink-4").token_ids for i in range(N_DISTINCT)
+        }
     finally:
         tiny_engine.store = old
 
@@ -87,7 +101,7 @@ class Load:
     def __init__(self, engine, references, workers: int = 3) -> None:
         self.engine, self.refs = engine, references
         self.stop = threading.Event()
-        self.results: list[tuple[float, int, int, int]] = []    # (time, request, hits, misses)
+        self.results: list[tuple[float, int, int, int]] = []  # (time, request, hits, misses)
         self.errors: list[str] = []
         self.threads = [threading.Thread(target=self._work, args=(w,), daemon=True) for w in range(workers)]
         self.t0 = time.monotonic()
@@ -125,33 +139,34 @@ def assert_clean(engine) -> None:
 
 # ---------------------------------------------------------------------- Redis
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
-def test_redis_stopped_and_restarted_under_load_every_request_is_answered_correctly(tiny_engine, references,
-                                                                                     with_store, tmp_path):
+def test_redis_stopped_and_restarted_under_load_every_request_is_answered_correctly(
+    tiny_engine, references, with_store, tmp_path
+):
     r = LocalRedis(tmp_path / "redis").start()
     try:
         store = with_store(open_store(f"{r.url}?timeout=0.5&retry_s=0.3&prefix=fault:"))
         with Load(tiny_engine, references) as load:
             time.sleep(2.0)
             t_stop = time.monotonic() - load.t0
-            r.stop()                                  # killed, no shutdown handshake
+            r.stop()  # killed, no shutdown handshake
             time.sleep(0.5)
             down = store.tier_stats()["redis"]
             time.sleep(2.0)
             down_after = store.tier_stats()["redis"]
             t_start = time.monotonic() - load.t0
-            r.start()                                 # back, empty (no persistence)
+            r.start()  # back, empty (no persistence)
             time.sleep(3.0)
         assert load.errors == [], load.errors[:5]
         during = load.answered_between(t_stop + 0.5, t_start)
         after = load.answered_between(t_start + 1.5, 1e9)
         assert len(during) >= 3, "no request was answered while Redis was down"
         assert down["available"] == 0 == down_after["available"]
-        assert down_after["hits"] == down["hits"] and down_after["puts"] == down["puts"]   # Redis skipped
-        assert sum(misses for _, _, _, misses in during) > 0          # chunks compiled again meanwhile
+        assert down_after["hits"] == down["hits"] and down_after["puts"] == down["puts"]  # Redis skipped
+        assert sum(misses for _, _, _, misses in during) > 0  # chunks compiled again meanwhile
         assert any(hits > 0 for _, _, hits, _ in after), "Redis was not used again after its restart"
         st = store.tier_stats()["redis"]
         assert st["available"] == 1 and st["errors"] >= 1 and st["corrupt"] == 0
-        assert len(store.keys()) > 0                  # writes resumed into the restarted server
+        assert len(store.keys()) > 0  # writes resumed into the restarted server
     finally:
         r.stop()
     assert_clean(tiny_engine)
@@ -176,7 +191,7 @@ def test_disk_store_that_fills_up_while_serving(tiny_engine, references, with_st
         assert len(load.results) >= N_DISTINCT
         assert store.stats.errors >= 1 and "No space left on device" in caplog.text
         names = sorted(p.name for p in d.iterdir())
-        assert names and not [n for n in names if n.startswith(".tmp-")], names   # no temp file left behind
+        assert names and not [n for n in names if n.startswith(".tmp-")], names  # no temp file left behind
         assert all(store.verify(n.removesuffix(".safetensors")) for n in names)  # what was written is whole
         assert store.stats.corrupt == 0
     finally:
@@ -188,7 +203,7 @@ def test_disk_store_turning_read_only_while_serving(tiny_engine, references, wit
     d = _needs_mount(tmp_path, "size=8m")
     try:
         store = with_store(DiskStore(d))
-        tiny_engine.compile(POOL[:4])                     # half the chunks written while writable
+        tiny_engine.compile(POOL[:4])  # half the chunks written while writable
         written = set(store.keys())
         assert len(written) == 4
         assert subprocess.run(["mount", "-o", "remount,ro", str(d)]).returncode == 0
@@ -196,13 +211,13 @@ def test_disk_store_turning_read_only_while_serving(tiny_engine, references, wit
             with Load(tiny_engine, references) as load:
                 time.sleep(2.5)
         assert load.errors == [], load.errors[:5]
-        assert set(store.keys()) == written               # nothing new, nothing lost
+        assert set(store.keys()) == written  # nothing new, nothing lost
         assert store.stats.errors >= 1 and "Read-only file system" in caplog.text
-        assert any(hits > 0 for _, _, hits, _ in load.results)   # old entries still read
+        assert any(hits > 0 for _, _, hits, _ in load.results)  # old entries still read
         assert subprocess.run(["mount", "-o", "remount,rw", str(d)]).returncode == 0
         for i in range(N_DISTINCT):
             tiny_engine.generate(request(i), max_tokens=6, policy="legolink-4")
-        assert set(store.keys()) > written                # writes resume once the disk is writable again
+        assert set(store.keys()) > written  # writes resume once the disk is writable again
     finally:
         subprocess.run(["umount", str(d)], check=False)
     assert_clean(tiny_engine)
@@ -258,16 +273,16 @@ def test_disk_files_truncated_corrupted_and_deleted_while_serving(tiny_engine, r
         t.join(10)
     assert load.errors == [], load.errors[:5]
     assert sum(damage.values()) >= 20 and all(damage.values()), damage
-    assert store.stats.corrupt >= 1                                  # bad entries were found and dropped
+    assert store.stats.corrupt >= 1  # bad entries were found and dropped
     assert any(hits > 0 for _, _, hits, _ in load.results)
-    for i in range(N_DISTINCT):                                      # and everything still answers the same
+    for i in range(N_DISTINCT):  # and everything still answers the same
         assert tiny_engine.generate(request(i), max_tokens=6, policy="legolink-4").token_ids == references[i]
     assert all(store.verify(k) for k in store.keys())
     assert_clean(tiny_engine)
 
 
 # ---------------------------------------------------------------------- SIGKILL while writing a compiled chunk
-KILL_SCRIPT = r'''
+KILL_SCRIPT = r"""
 import json, os, sys, time, types
 cfg = json.loads(sys.argv[1])
 from epic_rag import EngineConfig, EpicEngine
@@ -310,35 +325,46 @@ for i in range(0, len(chunks), 4):
     eng.compile(chunks[i:i + 4])
     print("BATCH", i, flush=True)
 print("DONE", flush=True)
-'''
+"""
 
-KILL_CHUNKS = [f"Kill fixture {i}: the {n} archive holds {i * 53 % 997} boxes of letters from {y}."
-               for i, (n, y) in enumerate(zip(["Amber", "Basalt", "Cedar", "Dune", "Ember", "Flint", "Garnet",
-                                               "Heath", "Iris", "Jasper", "Kelp", "Loam"],
-                                              range(1871, 1883)))]
+KILL_CHUNKS = [
+    f"Kill fixture {i}: the {n} archive holds {i * 53 % 997} boxes of letters from {y}."
+    for i, (n, y) in enumerate(
+        zip(
+            ["Amber", "Basalt", "Cedar", "Dune", "Ember", "Flint", "Garnet", "Heath", "Iris", "Jasper", "Kelp", "Loam"],
+            range(1871, 1883),
+        )
+    )
+]
 
 
 def test_engine_killed_mid_write_leaves_no_entry_that_reads_as_valid(tiny_engine, with_store, tmp_path):
     d = tmp_path / "kv"
     d.mkdir()
-    hang_at = 6                                     # batch 1 writes 4 entries, batch 2 is killed on its 2nd
+    hang_at = 6  # batch 1 writes 4 entries, batch 2 is killed on its 2nd
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
     log = open(tmp_path / "engine.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT,
-                             json.dumps({"dir": str(d), "hang_at": hang_at, "chunks": KILL_CHUNKS})],
-                            stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, json.dumps({"dir": str(d), "hang_at": hang_at, "chunks": KILL_CHUNKS})],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
     lines: list[str] = []
     killed = threading.Event()
 
     def watchdog():
         if not killed.wait(600):
             proc.kill()
+
     threading.Thread(target=watchdog, daemon=True).start()
     try:
         for line in proc.stdout:
             lines.append(line.strip())
             if line.startswith("MIDWRITE"):
-                os.kill(proc.pid, signal.SIGKILL)   # the engine process dies in the middle of a compile
+                os.kill(proc.pid, signal.SIGKILL)  # the engine process dies in the middle of a compile
                 break
     finally:
         killed.set()
@@ -353,8 +379,13 @@ def test_engine_killed_mid_write_leaves_no_entry_that_reads_as_valid(tiny_engine
     assert len(entries) == hang_at - 1 and len(temps) == 1 and temps[0].stat().st_size > 0
 
     # `epic-rag store verify` reads every entry: all whole, nothing corrupt; the half-written temp is no entry.
-    r = subprocess.run([sys.executable, "-m", "epic_rag.cli", "store", "verify", "--store", f"disk:{d}"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "epic_rag.cli", "store", "verify", "--store", f"disk:{d}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0 and f"{hang_at - 1} checked, {hang_at - 1} ok, 0 corrupt" in r.stdout, r.stdout + r.stderr
 
     # A new engine on the same folder compiles exactly what is missing, and the surviving entries are bit-exact.
@@ -370,7 +401,9 @@ def test_engine_killed_mid_write_leaves_no_entry_that_reads_as_valid(tiny_engine
     assert set(disk.keys()) == {r.key for r in refs}
     for key in survivors:
         kv = disk.get(key)
-        assert torch.equal(kv.k, exact[key].k) and torch.equal(kv.v, exact[key].v) and kv.token_ids == exact[key].token_ids
+        assert (
+            torch.equal(kv.k, exact[key].k) and torch.equal(kv.v, exact[key].v) and kv.token_ids == exact[key].token_ids
+        )
     assert disk.stats.corrupt == 0
     assert_clean(tiny_engine)
 
@@ -382,8 +415,9 @@ def server(tiny_engine, tmp_path_factory):
     corpus = root / "corpus"
     corpus.mkdir()
     (corpus / "stations.txt").write_text("\n\n".join(POOL))
-    cfg = DemoConfig(corpus=str(corpus), data_dir=root / "data", store="memory", api_key="k", top_k=2,
-                     max_tokens_limit=1500)
+    cfg = DemoConfig(
+        corpus=str(corpus), data_dir=root / "data", store="memory", api_key="k", top_k=2, max_tokens_limit=1500
+    )
     app = create_app(engine=tiny_engine, config=cfg, encoder=HashEncoder())
     srv = BackgroundServer(app).start()
     assert app.state.demo.library.wait_ready(60)
@@ -395,9 +429,16 @@ def server(tiny_engine, tmp_path_factory):
 def _disconnect_mid_stream(url: str) -> int:
     got = 0
     with httpx.Client(base_url=url, headers={"Authorization": "Bearer k"}, timeout=60) as c:
-        with c.stream("POST", "/v1/chat/completions", json={
+        with c.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
                 "messages": [{"role": "user", "content": "Describe every station at length."}],
-                "stream": True, "max_tokens": 1500, "policy": "legolink-4"}) as r:
+                "stream": True,
+                "max_tokens": 1500,
+                "policy": "legolink-4",
+            },
+        ) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: {") and '"content":"' in line and '"role"' not in line:
@@ -420,7 +461,7 @@ def test_repeated_disconnects_free_their_requests_and_memory(server, tiny_engine
     proc = psutil.Process()
     cancelled = server.app.state.demo.metrics.chat.labels("legolink-4", "true", "cancelled")
     before = cancelled._value.get()
-    for _ in range(8):                                    # warm-up: allocator pools, caches, first compiles
+    for _ in range(8):  # warm-up: allocator pools, caches, first compiles
         assert _disconnect_mid_stream(server.url) == 3
         _settled(server, tiny_engine)
     rss0 = proc.memory_info().rss
@@ -436,21 +477,33 @@ def test_repeated_disconnects_free_their_requests_and_memory(server, tiny_engine
 
 def test_non_stream_clients_that_give_up_are_cancelled(server, tiny_engine):
     for _ in range(3):
-        with httpx.Client(base_url=server.url, headers={"Authorization": "Bearer k"},
-                          timeout=httpx.Timeout(30, read=0.5)) as c:
+        with httpx.Client(
+            base_url=server.url, headers={"Authorization": "Bearer k"}, timeout=httpx.Timeout(30, read=0.5)
+        ) as c:
             with pytest.raises(httpx.ReadTimeout):
-                c.post("/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": "Describe every station at length."}],
-                    "max_tokens": 1500, "policy": "legolink-4"})
+                c.post(
+                    "/v1/chat/completions",
+                    json={
+                        "messages": [{"role": "user", "content": "Describe every station at length."}],
+                        "max_tokens": 1500,
+                        "policy": "legolink-4",
+                    },
+                )
         _settled(server, tiny_engine)
 
 
 async def test_many_concurrent_disconnects(server, tiny_engine):
     async def one(i: int):
         async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": "Bearer k"}, timeout=60) as c:
-            async with c.stream("POST", "/v1/chat/completions", json={
+            async with c.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={
                     "messages": [{"role": "user", "content": f"Station report {i}, at length."}],
-                    "stream": True, "max_tokens": 1500}) as r:
+                    "stream": True,
+                    "max_tokens": 1500,
+                },
+            ) as r:
                 async for line in r.aiter_lines():
                     if '"content":"' in line and '"role"' not in line:
                         return True

@@ -4,6 +4,7 @@ tiny engine. The check is `not_a_server_error`: any 5xx or transport failure is 
 examples per operation) keeps this under a minute; the recorded, larger runs on SmolLM2 are in
 docs/bench/fuzz.md (`python -m apps.demo.soak fuzz`).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,17 @@ def server(tiny_engine, tmp_path_factory):
     corpus = root / "corpus"
     corpus.mkdir()
     (corpus / "fuzz.txt").write_text("Fuzz fixture: the Tarnby mill grinds barley on Tuesdays and oats on Fridays.")
-    cfg = DemoConfig(corpus=str(corpus), data_dir=root / "data", store="memory", api_key=KEY, top_k=2,
-                     default_max_tokens=8, max_tokens_limit=16, max_upload_bytes=64 << 10, max_body_bytes=64 << 10)
+    cfg = DemoConfig(
+        corpus=str(corpus),
+        data_dir=root / "data",
+        store="memory",
+        api_key=KEY,
+        top_k=2,
+        default_max_tokens=8,
+        max_tokens_limit=16,
+        max_upload_bytes=64 << 10,
+        max_body_bytes=64 << 10,
+    )
     app = create_app(engine=tiny_engine, config=cfg, encoder=HashEncoder())
     srv = BackgroundServer(app).start()
     assert app.state.demo.library.wait_ready(60)
@@ -42,13 +52,18 @@ def test_schemathesis_finds_no_server_error(server, tmp_path):
     cmd = fuzz_command(server.url, KEY, max_examples=20, seed=7, report=report)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     summary = summarize_fuzz_report(json.loads(report.read_text()))
-    print(f"\nschemathesis: {summary['cases']} cases over {summary['operations']} operations, "
-          f"{len(summary['failures'])} failures, {summary['running_time_s']} s")
+    print(
+        f"\nschemathesis: {summary['cases']} cases over {summary['operations']} operations, "
+        f"{len(summary['failures'])} failures, {summary['running_time_s']} s"
+    )
     assert summary["cases"] >= 100 and summary["operations"] >= 7, (summary, r.stdout[-3000:])
     assert summary["failures"] == [], (summary["failures"], r.stdout[-5000:])
     assert r.returncode == 0, r.stdout[-5000:]
     # Fuzzed uploads stay inside the corpus folder (and the server still answers afterwards).
-    outside = [p for p in server.root.rglob("*") if p.is_file() and server.corpus not in p.parents
-               and (server.root / "data") not in p.parents]
+    outside = [
+        p
+        for p in server.root.rglob("*")
+        if p.is_file() and server.corpus not in p.parents and (server.root / "data") not in p.parents
+    ]
     assert outside == []
     assert server.app.state.demo.active_chats == 0

@@ -9,6 +9,7 @@ empty/whitespace chunks, unknown chunk keys without text, bad policies/max_token
 tests/test_engine_tiny.py; malformed chat bodies, limits and bad uploads against a scripted engine in
 tests/test_demo_unit.py; the same on SmolLM2 in tests/test_demo_api.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_demo_unit import HashEncoder
 
 from apps.demo.config import DemoConfig
 from apps.demo.server import BackgroundServer, create_app
@@ -27,7 +29,6 @@ from epic_rag import Chunk, ChunkRef, RagRequest
 from epic_rag.engine.board import BOARD
 from epic_rag.policy import SINK_LEN
 from epic_rag.prompt import encode_text
-from test_demo_unit import HashEncoder
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "reliability-key"
@@ -73,34 +74,48 @@ def assert_unpoisoned(engine, reference: list[int]) -> None:
 
 # ---------------------------------------------------------------------- engine API: refused
 C0 = GOOD_CHUNKS[0]
-LONG = "Reliability long chunk: " + "the quick brown fox jumps over the lazy dog. " * 30   # ~300 tokens
+LONG = "Reliability long chunk: " + "the quick brown fox jumps over the lazy dog. " * 30  # ~300 tokens
 PNG = bytes.fromhex("89504e470d0a1a0a0000000d49484452") + bytes(range(256))
 
 ENGINE_REFUSED = [
     # invalid UTF-8 / binary
     ("bytes-chunk", lambda e: e.compile([b"\xff\xfe binary"]), "got bytes"),
     ("bytes-request", lambda e: e.generate(PNG, max_tokens=4), "RagRequest"),
-    ("invalid-utf8-as-surrogates", lambda e: e.compile([b"ok \xff\xfe".decode("utf-8", "surrogateescape")]),
-     "not valid Unicode"),
+    (
+        "invalid-utf8-as-surrogates",
+        lambda e: e.compile([b"ok \xff\xfe".decode("utf-8", "surrogateescape")]),
+        "not valid Unicode",
+    ),
     # unicode edge cases that are not text
-    ("lone-surrogate-in-chunk", lambda e: e.generate(RagRequest("q?", ["abc \ud800 def"]), max_tokens=4),
-     "not valid Unicode"),
-    ("lone-surrogate-in-question", lambda e: e.generate(RagRequest("q \udcff?", [C0]), max_tokens=4),
-     "not valid Unicode"),
-    ("lone-surrogate-in-glue", lambda e: e.generate(["Context \udfff:\n", Chunk(C0), "\nQ?"], max_tokens=4),
-     "not valid Unicode"),
+    (
+        "lone-surrogate-in-chunk",
+        lambda e: e.generate(RagRequest("q?", ["abc \ud800 def"]), max_tokens=4),
+        "not valid Unicode",
+    ),
+    (
+        "lone-surrogate-in-question",
+        lambda e: e.generate(RagRequest("q \udcff?", [C0]), max_tokens=4),
+        "not valid Unicode",
+    ),
+    (
+        "lone-surrogate-in-glue",
+        lambda e: e.generate(["Context \udfff:\n", Chunk(C0), "\nQ?"], max_tokens=4),
+        "not valid Unicode",
+    ),
     # over the context window (2048 tokens)
-    ("question-over-context", lambda e: e.generate(RagRequest("word " * 3000, [C0]), max_tokens=4),
-     "context window"),
-    ("chunks-together-over-context", lambda e: e.generate(RagRequest("q?", [LONG] * 8), max_tokens=4),
-     "context window"),
+    ("question-over-context", lambda e: e.generate(RagRequest("word " * 3000, [C0]), max_tokens=4), "context window"),
+    (
+        "chunks-together-over-context",
+        lambda e: e.generate(RagRequest("q?", [LONG] * 8), max_tokens=4),
+        "context window",
+    ),
     ("prompt-string-over-context", lambda e: e.generate("word " * 3000, max_tokens=4), "context window"),
     # wrong types and values of generation arguments
     ("max_tokens-float", lambda e: e.generate(good_request(), max_tokens=4.0), "max_tokens"),
     ("max_tokens-bool", lambda e: e.generate(good_request(), max_tokens=True), "max_tokens"),
     ("max_tokens-None", lambda e: e.generate(good_request(), max_tokens=None), "max_tokens"),
     ("max_tokens-str", lambda e: e.generate(good_request(), max_tokens="8"), "max_tokens"),
-    ("max_tokens-huge-negative", lambda e: e.generate(good_request(), max_tokens=-10**12), "max_tokens"),
+    ("max_tokens-huge-negative", lambda e: e.generate(good_request(), max_tokens=-(10**12)), "max_tokens"),
     ("temperature-nan", lambda e: e.generate(good_request(), temperature=float("nan")), "temperature"),
     ("temperature-inf", lambda e: e.generate(good_request(), temperature=float("inf")), "temperature"),
     ("temperature-str", lambda e: e.generate(good_request(), temperature="0"), "temperature"),
@@ -112,10 +127,16 @@ ENGINE_REFUSED = [
     ("stop-ints", lambda e: e.generate(good_request(), stop=[1, 2]), "stop must be"),
     ("stop-dict", lambda e: e.generate(good_request(), stop={"a": 1}), "stop must be"),
     # chunk ids / keys that do not exist or could address files
-    ("chunk-key-path-traversal", lambda e: e.generate(RagRequest("q?", [ChunkRef("../../etc/passwd", 3)])),
-     "invalid chunk key"),
-    ("chunk-key-absolute-path", lambda e: e.generate(RagRequest("q?", [ChunkRef("/etc/passwd", 3)])),
-     "invalid chunk key"),
+    (
+        "chunk-key-path-traversal",
+        lambda e: e.generate(RagRequest("q?", [ChunkRef("../../etc/passwd", 3)])),
+        "invalid chunk key",
+    ),
+    (
+        "chunk-key-absolute-path",
+        lambda e: e.generate(RagRequest("q?", [ChunkRef("/etc/passwd", 3)])),
+        "invalid chunk key",
+    ),
     ("chunk-key-None", lambda e: e.generate(RagRequest("q?", [ChunkRef(None, 3)])), "invalid chunk key"),
     ("chunk-key-nul", lambda e: e.generate(RagRequest("q?", [ChunkRef("plain-\x00", 3)])), "invalid chunk key"),
     # wrong shapes
@@ -135,25 +156,35 @@ def test_engine_refuses_bad_input_with_a_clear_error_and_keeps_serving(tiny_engi
     before = set(tiny_engine.store.keys())
     with pytest.raises(ValueError, match=re.escape(needle)):
         call(tiny_engine)
-    assert set(tiny_engine.store.keys()) == before          # nothing half-compiled was stored
+    assert set(tiny_engine.store.keys()) == before  # nothing half-compiled was stored
     assert_unpoisoned(tiny_engine, reference)
 
 
 # ---------------------------------------------------------------------- engine API: odd but valid input
 ZALGO = "Z\u0351\u0352\u0353\u0354a\u0300\u0301\u0302\u0303l\u0334\u0335g\u0336o\u0337 " * 20
 ENGINE_ACCEPTED = [
-    ("nul-bytes-in-chunk", lambda e: e.generate(RagRequest("q?", ["before\x00after, a chunk with NULs"]), max_tokens=4)),
+    (
+        "nul-bytes-in-chunk",
+        lambda e: e.generate(RagRequest("q?", ["before\x00after, a chunk with NULs"]), max_tokens=4),
+    ),
     ("only-nul-bytes-chunk", lambda e: e.generate(RagRequest("q?", ["\x00\x00\x00"]), max_tokens=4)),
     ("zero-width-only-chunk", lambda e: e.generate(RagRequest("q?", ["\u200b\u200c\u200d"]), max_tokens=4)),
     ("bom-only-chunk", lambda e: e.generate(RagRequest("q?", ["\ufeff"]), max_tokens=4)),
     ("combining-marks", lambda e: e.generate(RagRequest("e\u0301t\u0301e\u0301?", [ZALGO]), max_tokens=4)),
-    ("rtl-and-bidi-overrides", lambda e: e.generate(
-        RagRequest("\u202eما هو؟\u202c", ["مرحبا بالعالم. \u202eשלום עולם\u202c \u2067isolate\u2069"]), max_tokens=4)),
-    ("emoji-zwj-and-flags", lambda e: e.generate(
-        RagRequest("👍🏽?", ["👨‍👩‍👧‍👦 🏳️‍🌈 🇫🇷 " * 20]), max_tokens=4)),
+    (
+        "rtl-and-bidi-overrides",
+        lambda e: e.generate(
+            RagRequest("\u202eما هو؟\u202c", ["مرحبا بالعالم. \u202eשלום עולם\u202c \u2067isolate\u2069"]), max_tokens=4
+        ),
+    ),
+    ("emoji-zwj-and-flags", lambda e: e.generate(RagRequest("👍🏽?", ["👨‍👩‍👧‍👦 🏳️‍🌈 🇫🇷 " * 20]), max_tokens=4)),
     ("binary-file-decoded-as-latin1", lambda e: e.generate(RagRequest("q?", [PNG.decode("latin-1")]), max_tokens=4)),
-    ("unknown-key-with-text-recompiles", lambda e: e.generate(
-        RagRequest("q?", [ChunkRef("plain-" + "0" * 40, 3, "Reliability: a ref whose key is stale.")]), max_tokens=4)),
+    (
+        "unknown-key-with-text-recompiles",
+        lambda e: e.generate(
+            RagRequest("q?", [ChunkRef("plain-" + "0" * 40, 3, "Reliability: a ref whose key is stale.")]), max_tokens=4
+        ),
+    ),
     ("stop-as-string", lambda e: e.generate(good_request(), max_tokens=4, stop="zzzz")),
     ("compile-empty-list", lambda e: e.compile([])),
     ("compile-generator", lambda e: e.compile(t for t in ["Reliability: compiled from a generator."])),
@@ -192,7 +223,7 @@ def test_prompt_one_token_below_the_window_still_answers_one_token(tiny_engine, 
 
 
 def test_chunk_at_the_compile_limit_compiles_and_one_over_is_refused(tiny_engine, reference):
-    limit = tiny_engine.max_model_len - SINK_LEN - 2   # sink token + one token kept for the answer
+    limit = tiny_engine.max_model_len - SINK_LEN - 2  # sink token + one token kept for the answer
     (ref,) = tiny_engine.compile([_prompt_of(tiny_engine, limit)])
     assert ref.num_tokens == limit
     with pytest.raises(ValueError, match="context window"):
@@ -204,8 +235,9 @@ async def test_cancelling_many_async_streams_leaves_nothing_behind(tiny_engine, 
     import asyncio
 
     async def consume(started: asyncio.Event):
-        async for piece in tiny_engine.astream(RagRequest("Tell me more about the ferry.", GOOD_CHUNKS),
-                                               max_tokens=1500, policy="legolink-4"):
+        async for _piece in tiny_engine.astream(
+            RagRequest("Tell me more about the ferry.", GOOD_CHUNKS), max_tokens=1500, policy="legolink-4"
+        ):
             started.set()
 
     for _ in range(3):
@@ -214,7 +246,7 @@ async def test_cancelling_many_async_streams_leaves_nothing_behind(tiny_engine, 
         for (ev,), t in zip(runs, tasks):
             await asyncio.wait({asyncio.ensure_future(ev.wait()), t}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
         for t in tasks:
-            t.cancel()                 # the caller goes away mid-stream
+            t.cancel()  # the caller goes away mid-stream
         await asyncio.gather(*tasks, return_exceptions=True)
     assert_unpoisoned(tiny_engine, reference)
 
@@ -228,9 +260,18 @@ def server(tiny_engine, tmp_path_factory):
     for name, text in DOCS.items():
         (corpus / name).write_text(text)
     (root / "outside.txt").write_text("a file next to the corpus folder that nothing may touch")
-    cfg = DemoConfig(corpus=str(corpus), data_dir=root / "data", store="memory", api_key=KEY, top_k=2,
-                     default_max_tokens=16, max_tokens_limit=64, max_prompt_chars=20000,
-                     max_body_bytes=64 << 10, max_upload_bytes=128 << 10)
+    cfg = DemoConfig(
+        corpus=str(corpus),
+        data_dir=root / "data",
+        store="memory",
+        api_key=KEY,
+        top_k=2,
+        default_max_tokens=16,
+        max_tokens_limit=64,
+        max_prompt_chars=20000,
+        max_body_bytes=64 << 10,
+        max_upload_bytes=128 << 10,
+    )
     app = create_app(engine=tiny_engine, config=cfg, encoder=HashEncoder())
     srv = BackgroundServer(app).start()
     assert app.state.demo.library.wait_ready(60), app.state.demo.library.status()
@@ -245,8 +286,12 @@ def client(server):
         yield c
 
 
-GOOD_BODY = {"messages": [{"role": "user", "content": GOOD_QUESTION}], "max_tokens": NEW_TOKENS,
-             "chunk_ids": ["ferry.txt#0"], "policy": "legolink-4"}
+GOOD_BODY = {
+    "messages": [{"role": "user", "content": GOOD_QUESTION}],
+    "max_tokens": NEW_TOKENS,
+    "chunk_ids": ["ferry.txt#0"],
+    "policy": "legolink-4",
+}
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +302,7 @@ def http_reference(client, tiny_engine, reference):
 
 
 def assert_http_unpoisoned(server, client, tiny_engine, http_reference, reference) -> None:
-    r = client.post("/v1/chat/completions", json=GOOD_BODY)       # same keep-alive client as the bad request
+    r = client.post("/v1/chat/completions", json=GOOD_BODY)  # same keep-alive client as the bad request
     assert r.status_code == 200, r.text
     assert (r.json()["choices"][0]["message"]["content"], r.json()["usage"]) == http_reference
     assert server.app.state.demo.active_chats == 0
@@ -276,39 +321,74 @@ def _msg(content, **kw) -> bytes:
 
 HTTP_REFUSED = [
     # (id, body bytes, content type, status, needle in the error message)
-    ("lone-surrogate-in-content", b'{"messages":[{"role":"user","content":"abc \\ud800 def"}]}', None, 400,
-     "not valid Unicode"),
-    ("lone-surrogate-in-text-part", b'{"messages":[{"role":"user","content":[{"type":"text","text":"\\udfff"}]}]}',
-     None, 400, "not valid Unicode"),
-    ("lone-surrogate-in-stop", b'{"messages":[{"role":"user","content":"x"}],"stop":["\\ud800"]}', None, 400,
-     "not valid Unicode"),
+    (
+        "lone-surrogate-in-content",
+        b'{"messages":[{"role":"user","content":"abc \\ud800 def"}]}',
+        None,
+        400,
+        "not valid Unicode",
+    ),
+    (
+        "lone-surrogate-in-text-part",
+        b'{"messages":[{"role":"user","content":[{"type":"text","text":"\\udfff"}]}]}',
+        None,
+        400,
+        "not valid Unicode",
+    ),
+    (
+        "lone-surrogate-in-stop",
+        b'{"messages":[{"role":"user","content":"x"}],"stop":["\\ud800"]}',
+        None,
+        400,
+        "not valid Unicode",
+    ),
     ("invalid-utf8-body", b'{"messages":[{"role":"user","content":"\xff\xfe"}]}', None, 400, "parsing the body"),
     ("binary-body", PNG, None, 400, "parsing the body"),
     ("json-null", b"null", None, 400, "Field required"),
     ("json-string", b'"hello"', None, 400, "JSON object"),
     ("json-number", b"42", None, 400, "JSON object"),
     ("deeply-nested-json", b"[" * 30000 + b"]" * 30000, None, 400, "parsing the body"),
-    ("huge-integer-literal", b'{"messages":[{"role":"user","content":"x"}],"top_k":' + b"9" * 5000 + b"}", None,
-     400, "parsing the body"),
+    (
+        "huge-integer-literal",
+        b'{"messages":[{"role":"user","content":"x"}],"top_k":' + b"9" * 5000 + b"}",
+        None,
+        400,
+        "parsing the body",
+    ),
     ("text-plain-content-type", _msg("x"), "text/plain", 400, "JSON object"),
     ("messages-null", _json({"messages": None}), None, 400, "messages"),
     ("message-not-object", _json({"messages": ["hi"]}), None, 400, "messages.0"),
     ("role-null", _json({"messages": [{"role": None, "content": "x"}]}), None, 400, "role"),
-    ("image-content-part", _json({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}),
-     None, 400, "content"),
+    (
+        "image-content-part",
+        _json({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}),
+        None,
+        400,
+        "content",
+    ),
     ("max_tokens-float", _msg("x", max_tokens=4.5), None, 400, "max_tokens"),
     ("max_tokens-huge", _msg("x", max_tokens=10**30), None, 400, "at most 64"),
     ("max_tokens-negative", _msg("x", max_tokens=-1), None, 400, "max_tokens"),
     ("temperature-nan", b'{"messages":[{"role":"user","content":"x"}],"temperature":NaN}', None, 400, "temperature"),
-    ("temperature-infinity", b'{"messages":[{"role":"user","content":"x"}],"temperature":1e999}', None, 400,
-     "temperature"),
+    (
+        "temperature-infinity",
+        b'{"messages":[{"role":"user","content":"x"}],"temperature":1e999}',
+        None,
+        400,
+        "temperature",
+    ),
     ("top_k-negative", _msg("x", top_k=-1), None, 400, "top_k"),
     ("n-2", _msg("x", n=2), None, 400, "n"),
     ("stream-string", _msg("x", stream="true"), None, 400, "stream"),
     ("unknown-model", _msg("x", model="../../etc/passwd"), None, 404, "not found"),
     ("unknown-policy", _msg("x", policy="legolink-ultra"), None, 400, "unknown policy"),
-    ("chunk-ids-traversal-and-missing", _msg("x", chunk_ids=["../../etc/passwd", "ferry.txt#99"]), None, 400,
-     "unknown chunk ids"),
+    (
+        "chunk-ids-traversal-and-missing",
+        _msg("x", chunk_ids=["../../etc/passwd", "ferry.txt#99"]),
+        None,
+        400,
+        "unknown chunk ids",
+    ),
     ("chunk-ids-wrong-type", _msg("x", chunk_ids="ferry.txt#0"), None, 400, "chunk_ids"),
     ("prompt-over-context-no-retrieval", _msg("word " * 3000, use_retrieval=False), None, 400, "prompt too long"),
     ("prompt-over-max-chars", _msg("x" * 20001), None, 400, "prompt too long"),
@@ -317,10 +397,10 @@ HTTP_REFUSED = [
 
 
 @pytest.mark.parametrize("body,ctype,status,needle", [c[1:] for c in HTTP_REFUSED], ids=[c[0] for c in HTTP_REFUSED])
-def test_http_refuses_bad_input_with_a_clear_status_and_keeps_serving(server, client, tiny_engine, http_reference,
-                                                                      reference, body, ctype, status, needle):
-    r = client.post("/v1/chat/completions", content=body,
-                    headers={"Content-Type": ctype or "application/json"})
+def test_http_refuses_bad_input_with_a_clear_status_and_keeps_serving(
+    server, client, tiny_engine, http_reference, reference, body, ctype, status, needle
+):
+    r = client.post("/v1/chat/completions", content=body, headers={"Content-Type": ctype or "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["code"] == status
@@ -338,8 +418,10 @@ HTTP_ACCEPTED = [
 @pytest.mark.parametrize("content", [c[1] for c in HTTP_ACCEPTED], ids=[c[0] for c in HTTP_ACCEPTED])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_http_answers_unicode_edge_cases(server, client, tiny_engine, http_reference, reference, content, stream):
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
-                                                  "max_tokens": 4, "stream": stream})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": content}], "max_tokens": 4, "stream": stream},
+    )
     assert r.status_code == 200, r.text
     if stream:
         assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
@@ -349,7 +431,7 @@ def test_http_answers_unicode_edge_cases(server, client, tiny_engine, http_refer
 
 
 def test_http_stream_chunked_body_over_the_limit_is_413(server, client, tiny_engine, http_reference, reference):
-    def body():                       # no Content-Length: the limit is enforced while reading
+    def body():  # no Content-Length: the limit is enforced while reading
         yield b'{"messages":[{"role":"user","content":"'
         for _ in range(100):
             yield b"a" * 1024
@@ -360,14 +442,23 @@ def test_http_stream_chunked_body_over_the_limit_is_413(server, client, tiny_eng
     assert_http_unpoisoned(server, client, tiny_engine, http_reference, reference)
 
 
-@pytest.mark.parametrize("raw,status", [
-    (b"GARBAGE\r\n\r\n", 400),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
-    (b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n", 400),
-], ids=["garbage-request-line", "non-numeric-content-length", "negative-content-length", "bad-chunk-size",
-        "unknown-http-version"])
+@pytest.mark.parametrize(
+    "raw,status",
+    [
+        (b"GARBAGE\r\n\r\n", 400),
+        (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400),
+        (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400),
+        (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+        (b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n", 400),
+    ],
+    ids=[
+        "garbage-request-line",
+        "non-numeric-content-length",
+        "negative-content-length",
+        "bad-chunk-size",
+        "unknown-http-version",
+    ],
+)
 def test_malformed_http_is_refused_by_the_server(server, client, tiny_engine, http_reference, reference, raw, status):
     with socket.create_connection((server.host, server.port), timeout=10) as s:
         try:
@@ -389,13 +480,14 @@ def test_oversized_header_is_read_and_serving_goes_on(server, client, tiny_engin
     assert_http_unpoisoned(server, client, tiny_engine, http_reference, reference)
 
 
-def test_an_internal_error_is_a_json_500_and_the_connection_stays_usable(server, client, tiny_engine,
-                                                                        http_reference, reference, monkeypatch):
+def test_an_internal_error_is_a_json_500_and_the_connection_stays_usable(
+    server, client, tiny_engine, http_reference, reference, monkeypatch
+):
     def broken(*a, **k):
         raise RuntimeError("simulated retrieval fault")
 
     monkeypatch.setattr(server.app.state.demo.library, "search", broken)
-    for _ in range(5):          # each 500 is followed by a good request on the same keep-alive connection
+    for _ in range(5):  # each 500 is followed by a good request on the same keep-alive connection
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
         assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: RuntimeError"
         assert client.post("/v1/chat/completions", json=GOOD_BODY).status_code == 200
@@ -425,19 +517,30 @@ UPLOADS_REFUSED = [
 
 def _multipart(name: str, data: bytes) -> tuple[bytes, dict]:
     # Raw multipart: httpx would percent-encode a NUL or quote in the file name.
-    body = (b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="' + name.encode() +
-            b'"\r\nContent-Type: application/octet-stream\r\n\r\n' + data + b"\r\n--XyZ--\r\n")
+    body = (
+        b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="'
+        + name.encode()
+        + b'"\r\nContent-Type: application/octet-stream\r\n\r\n'
+        + data
+        + b"\r\n--XyZ--\r\n"
+    )
     return body, {"Content-Type": "multipart/form-data; boundary=XyZ"}
 
 
 def _tree(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")
-            if p.is_file() and "data" not in p.relative_to(root).parts}
+    return {
+        str(p.relative_to(root)): p.stat().st_mtime_ns
+        for p in root.rglob("*")
+        if p.is_file() and "data" not in p.relative_to(root).parts
+    }
 
 
-@pytest.mark.parametrize("name,data,status,needle", [c[1:] for c in UPLOADS_REFUSED], ids=[c[0] for c in UPLOADS_REFUSED])
-def test_bad_uploads_get_a_clear_status_and_nothing_is_written(server, client, tiny_engine, http_reference, reference,
-                                                               name, data, status, needle):
+@pytest.mark.parametrize(
+    "name,data,status,needle", [c[1:] for c in UPLOADS_REFUSED], ids=[c[0] for c in UPLOADS_REFUSED]
+)
+def test_bad_uploads_get_a_clear_status_and_nothing_is_written(
+    server, client, tiny_engine, http_reference, reference, name, data, status, needle
+):
     before = _tree(server.root)
     body, headers = _multipart(name, data)
     r = client.post("/api/documents", content=body, headers=headers)
@@ -447,11 +550,15 @@ def test_bad_uploads_get_a_clear_status_and_nothing_is_written(server, client, t
     assert_http_unpoisoned(server, client, tiny_engine, http_reference, reference)
 
 
-def test_large_unicode_upload_is_indexed_compiled_and_answerable(server, client, tiny_engine, http_reference,
-                                                                  reference):
+def test_large_unicode_upload_is_indexed_compiled_and_answerable(
+    server, client, tiny_engine, http_reference, reference
+):
     name = "naïve-מסמך-👍.md"
-    text = ("# Большой документ\n\n" + "Reliability filler paragraph about harbours and tides. " * 1500 +
-            "\n\nThe Quillmoor harbour master is called Ines Arrowby. 👍\n")
+    text = (
+        "# Большой документ\n\n"
+        + "Reliability filler paragraph about harbours and tides. " * 1500
+        + "\n\nThe Quillmoor harbour master is called Ines Arrowby. 👍\n"
+    )
     data = text.encode()
     assert 80 << 10 < len(data) < 128 << 10
     body, headers = _multipart(name, data)
@@ -462,8 +569,10 @@ def test_large_unicode_upload_is_indexed_compiled_and_answerable(server, client,
     assert (server.corpus / name).read_bytes() == data
     info = {d["name"]: d for d in client.get("/api/documents").json()["documents"]}[name]
     assert info["state"] == "ready" and info["chunks"] > 10 and info["compiled"] == info["chunks"]
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Who is the harbour master?"}],
-                                                  "max_tokens": 4, "top_k": 2})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Who is the harbour master?"}], "max_tokens": 4, "top_k": 2},
+    )
     assert r.status_code == 200 and any(s["doc"] == name for s in r.json()["epic"]["sources"])
     assert client.delete(f"/api/documents/{name}").status_code == 200
     assert not (server.corpus / name).exists()
@@ -482,7 +591,7 @@ def test_html_upload_is_stored_as_text_without_markup(server, client, tiny_engin
 
 
 # ---------------------------------------------------------------------- security review, as tests
-OPEN_ROUTES = {"/healthz", "/", "/static", "/openapi.json"}   # no work done, nothing private
+OPEN_ROUTES = {"/healthz", "/", "/static", "/openapi.json"}  # no work done, nothing private
 
 
 def _working_routes(app) -> list[tuple[str, str]]:
@@ -499,11 +608,25 @@ def _working_routes(app) -> list[tuple[str, str]]:
 
 def test_every_route_that_does_work_needs_the_api_key(server):
     routes = _working_routes(server.app)
-    assert {("POST", "/v1/chat/completions"), ("POST", "/api/documents"), ("DELETE", "/api/documents/x.txt"),
-            ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/api/status"), ("GET", "/api/documents")} <= set(routes)
-    wrong = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY}x"},
-             {"Authorization": f"Bearer {KEY[:-1]}"}, {"Authorization": f"Basic {KEY}"}, {"X-API-Key": "wrong"},
-             {"Authorization": "Bearer"}, {"Authorization": f"Bearer {KEY.upper()}"}]
+    assert {
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/api/documents"),
+        ("DELETE", "/api/documents/x.txt"),
+        ("GET", "/metrics"),
+        ("GET", "/v1/models"),
+        ("GET", "/api/status"),
+        ("GET", "/api/documents"),
+    } <= set(routes)
+    wrong = [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Bearer {KEY}x"},
+        {"Authorization": f"Bearer {KEY[:-1]}"},
+        {"Authorization": f"Basic {KEY}"},
+        {"X-API-Key": "wrong"},
+        {"Authorization": "Bearer"},
+        {"Authorization": f"Bearer {KEY.upper()}"},
+    ]
     with httpx.Client(base_url=server.url, timeout=30) as anon:
         for method, path in routes:
             for h in wrong:
@@ -533,9 +656,11 @@ def test_defaults_bind_loopback_only():
     assert inspect.signature(BackgroundServer).parameters["host"].default == "127.0.0.1"
 
 
-FORBIDDEN = re.compile(r"\bpickle\b|\bcPickle\b|torch\.load\(|(?<![\w.])eval\(|(?<![\w.])exec\(|allow_pickle\s*=\s*True|"
-                       r"yaml\.load\(|yaml\.unsafe_load|marshal\.loads?\(|\bshelve\b|\bdill\b|joblib\.load|"
-                       r"trust_remote_code\s*=\s*True|shell\s*=\s*True|os\.system\(")
+FORBIDDEN = re.compile(
+    r"\bpickle\b|\bcPickle\b|torch\.load\(|(?<![\w.])eval\(|(?<![\w.])exec\(|allow_pickle\s*=\s*True|"
+    r"yaml\.load\(|yaml\.unsafe_load|marshal\.loads?\(|\bshelve\b|\bdill\b|joblib\.load|"
+    r"trust_remote_code\s*=\s*True|shell\s*=\s*True|os\.system\("
+)
 
 
 def test_no_pickle_eval_or_shell_on_stored_or_uploaded_data():
@@ -552,8 +677,12 @@ def test_no_pickle_eval_or_shell_on_stored_or_uploaded_data():
 
 def test_delete_cannot_reach_outside_the_corpus_folder(server, client):
     victim = server.root / "outside.txt"
-    for path in ("/api/documents/..%2Foutside.txt", "/api/documents/%2E%2E%2F%2E%2E%2Foutside.txt",
-                 f"/api/documents/{victim}", "/api/documents/..%5Coutside.txt"):
+    for path in (
+        "/api/documents/..%2Foutside.txt",
+        "/api/documents/%2E%2E%2F%2E%2E%2Foutside.txt",
+        f"/api/documents/{victim}",
+        "/api/documents/..%5Coutside.txt",
+    ):
         r = client.delete(path)
         assert r.status_code == 404, (path, r.text)
     assert victim.exists()

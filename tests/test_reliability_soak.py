@@ -3,6 +3,7 @@ SmolLM2 (the session's `smol_engine`, served in-process on loopback): every requ
 with a clear status, streams finish with [DONE], nothing is left in flight. The full 5-minute, 16-client run
 is `python -m apps.demo.soak soak` (results in docs/bench/soak.md); it does not run in CI.
 """
+
 from __future__ import annotations
 
 import time
@@ -25,8 +26,7 @@ def server(smol_engine, tmp_path_factory):
     corpus.mkdir()
     for name, (text, _, _) in docs.items():
         (corpus / name).write_text(text)
-    cfg = DemoConfig(corpus=str(corpus), data_dir=root / "data", store="memory?max_bytes=1G", api_key=soak.KEY,
-                     top_k=2)
+    cfg = DemoConfig(corpus=str(corpus), data_dir=root / "data", store="memory?max_bytes=1G", api_key=soak.KEY, top_k=2)
     app = create_app(engine=smol_engine, config=cfg)
     srv = BackgroundServer(app).start()
     assert app.state.demo.library.wait_ready(300), app.state.demo.library.status()
@@ -38,8 +38,9 @@ def server(smol_engine, tmp_path_factory):
 async def test_soak_harness_short_run_every_request_answered_or_refused(server, tmp_path):
     questions = [(n, q, a) for n, (_, q, a) in server.docs.items()]
     rss = psutil.Process().memory_info
-    load = await soak.run_load(server.url, soak.KEY, questions, duration_s=20, concurrency=4, max_tokens=12,
-                               rss=lambda: rss().rss, seed=3)
+    load = await soak.run_load(
+        server.url, soak.KEY, questions, duration_s=20, concurrency=4, max_tokens=12, rss=lambda: rss().rss, seed=3
+    )
     s = soak.summarize(load, warmup_s=5)
     assert s["requests"] >= 8 and s["answered_ok"] >= 4, s
     assert s["errors"] == 0, s["error_examples"]
@@ -51,9 +52,23 @@ async def test_soak_harness_short_run_every_request_answered_or_refused(server, 
     while server.app.state.demo.active_chats and time.monotonic() < end:
         time.sleep(0.1)
     assert server.app.state.demo.active_chats == 0
-    data = {"command": "test", "server_cmd": ["epic-rag", "demo"], "machine": {}, "summary": s,
-            "config": {"concurrency": 4, "duration_s": 20, "max_tokens": 12, "warmup_s": 5, "documents": 3,
-                       "chunks": 0, "ingest_s": 0.0, "kinds": dict(soak.KINDS), "policies": dict(soak.POLICIES)},
-            "rss_timeline": load["rss"]}
+    data = {
+        "command": "test",
+        "server_cmd": ["epic-rag", "demo"],
+        "machine": {},
+        "summary": s,
+        "config": {
+            "concurrency": 4,
+            "duration_s": 20,
+            "max_tokens": 12,
+            "warmup_s": 5,
+            "documents": 3,
+            "chunks": 0,
+            "ingest_s": 0.0,
+            "kinds": dict(soak.KINDS),
+            "policies": dict(soak.POLICIES),
+        },
+        "rss_timeline": load["rss"],
+    }
     md = soak.soak_markdown(data)
     assert "| requests |" in md and "TTFT" in md

@@ -1,4 +1,5 @@
 """Key rotation against vLLM's own rotary modules, and the paged-KV accessors (no engine needed)."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,10 +11,15 @@ from epic_rag.engine.rope import KeyRotator, RopeError
 ROPES = {
     "default": {"rope_theta": 10000.0, "rope_type": "default"},
     "linear": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 4.0},
-    "llama3": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
-    "yarn": {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
-             "original_max_position_embeddings": 1024},
+    "llama3": {
+        "rope_theta": 500000.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 1024,
+    },
+    "yarn": {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
 }
 
 
@@ -22,8 +28,7 @@ def _rope(params, head=64, neox=True):
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
     with set_current_vllm_config(VllmConfig()):
-        return get_rope(head, max_position=8192, rope_parameters=dict(params), is_neox_style=neox,
-                        dtype=torch.float32)
+        return get_rope(head, max_position=8192, rope_parameters=dict(params), is_neox_style=neox, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("kind", sorted(ROPES))
@@ -35,8 +40,8 @@ def test_rotated_keys_equal_keys_computed_at_the_real_position(kind, neox):
     g = torch.Generator().manual_seed(0)
     raw = torch.randn(n, H * D, generator=g) * 5
     q = torch.zeros_like(raw)
-    _, k0 = rope.forward_native(torch.arange(n), q.clone(), raw.clone())             # compiled at 0..n-1
-    _, kp = rope.forward_native(torch.arange(n) + delta, q.clone(), raw.clone())     # linked at delta..
+    _, k0 = rope.forward_native(torch.arange(n), q.clone(), raw.clone())  # compiled at 0..n-1
+    _, kp = rope.forward_native(torch.arange(n) + delta, q.clone(), raw.clone())  # linked at delta..
     shifted = rot.rotate(k0.view(n, H, D), delta)
     err = (shifted - kp.view(n, H, D)).abs().max().item()
     assert err < 2e-4 * kp.abs().max().item(), err
@@ -78,9 +83,9 @@ def test_cpu_layout_stores_keys_transposed_per_block():
     v = -torch.arange(32, dtype=torch.float32).view(1, 1, 32)
     layout.write(cache, torch.tensor([32 + 5]), k, v)
     flat = cache[1, 0].reshape(-1)
-    kpart = flat[: 32 * 32].view(32, 32)        # [D, N]
+    kpart = flat[: 32 * 32].view(32, 32)  # [D, N]
     assert torch.equal(kpart[:, 5], k.flatten())
-    vpart = flat[32 * 32:].view(32, 32)         # [N, D]
+    vpart = flat[32 * 32 :].view(32, 32)  # [N, D]
     assert torch.equal(vpart[5], v.flatten())
 
 
@@ -99,7 +104,7 @@ def test_flash_attention_layout_logic_on_cpu_tensors():
     slots = torch.tensor([16 + 3, 48 + 15])
     k, v = torch.randn(2, H, D), torch.randn(2, H, D)
     layout.write(cache, slots, k, v)
-    key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)     # as vLLM reads it: [B, N, H, D]
+    key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)  # as vLLM reads it: [B, N, H, D]
     assert torch.equal(key_cache[1, 3], k[0]) and torch.equal(value_cache[3, 15], v[1])
 
 
@@ -118,7 +123,7 @@ def test_chunk_keys_change_with_model_tokenizer_dtype_variant_and_tokens():
 
     base = kv_fingerprint("model-a", "tok-a", "torch.float32")
     k = chunk_key(base, [1, 2, 3])
-    assert chunk_key(base, [1, 2, 3]) == k                       # content only: stable
+    assert chunk_key(base, [1, 2, 3]) == k  # content only: stable
     assert chunk_key(kv_fingerprint("model-b", "tok-a", "torch.float32"), [1, 2, 3]) != k
     assert chunk_key(kv_fingerprint("model-a", "tok-b", "torch.float32"), [1, 2, 3]) != k
     assert chunk_key(kv_fingerprint("model-a", "tok-a", "torch.bfloat16"), [1, 2, 3]) != k
@@ -147,13 +152,13 @@ class _FakeAttn:
         from types import SimpleNamespace
 
         self.num_heads, self.num_kv_heads, self.head_size = Hq, Hk, D
-        self.impl = SimpleNamespace(scale=D ** -0.5, alibi_slopes=None, logits_soft_cap=0.0, sinks=None)
+        self.impl = SimpleNamespace(scale=D**-0.5, alibi_slopes=None, logits_soft_cap=0.0, sinks=None)
 
 
 def _reference_attention(q, K, V, R, scale):
     """Each query at position R[i] attends keys [0, R[i]].  # q: [nR, Hq, D], K/V: [T, Hk, D]"""
     G = q.shape[1] // K.shape[1]
-    Ke, Ve = K.repeat_interleave(G, 1), V.repeat_interleave(G, 1)          # [T, Hq, D]
+    Ke, Ve = K.repeat_interleave(G, 1), V.repeat_interleave(G, 1)  # [T, Hq, D]
     s = torch.einsum("nhd,thd->hnt", q, Ke) * scale
     s.masked_fill_(torch.arange(K.shape[0])[None, None, :] > R[None, :, None], float("-inf"))
     return torch.einsum("hnt,thd->nhd", torch.softmax(s, -1), Ve)
@@ -176,15 +181,15 @@ def test_cpu_kernel_attention_over_pages_equals_masked_attention(runs):
     out = layout.attend(plan, attn, cache, q.view(len(R), -1), K[R].reshape(len(R), -1), V[R].reshape(len(R), -1))
     ref = _reference_attention(q, K, V, R, attn.impl.scale)
     assert torch.allclose(out.view(len(R), Hq, D), ref, atol=1e-5)
-    assert torch.equal(layout.read_range(cache, block_ids, 0, T)[0], K)      # R's fresh keys were stored
+    assert torch.equal(layout.read_range(cache, block_ids, 0, T)[0], K)  # R's fresh keys were stored
 
 
 def test_cpu_kernel_attention_is_not_planned_outside_the_links_range_or_for_scattered_picks():
     layout, attn = CpuAttnLayout("vec"), _FakeAttn(6, 2, 64)
     cache = torch.zeros((6, 2, 128, 128))
     R = torch.arange(10, 20)
-    assert layout.attention_plan(cache, [0, 1, 2], R, 12, 300, attn) is None     # would overwrite shared prefix
-    assert layout.attention_plan(cache, [0, 1, 2], R, 0, 15, attn) is None       # beyond the claimed range
+    assert layout.attention_plan(cache, [0, 1, 2], R, 12, 300, attn) is None  # would overwrite shared prefix
+    assert layout.attention_plan(cache, [0, 1, 2], R, 0, 15, attn) is None  # beyond the claimed range
     scattered = torch.arange(0, 2 * (CpuAttnLayout.MAX_KERNEL_RUNS + 1), 2)
     assert layout.attention_plan(cache, [0, 1, 2], scattered, 0, 300, attn) is None
     assert FlashAttnLayout().attention_plan(cache, [0, 1, 2], R, 0, 300, attn) is None

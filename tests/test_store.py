@@ -1,5 +1,6 @@
 """Chunk KV store: spec parsing, memory and disk tiers, integrity, int8 mode, stacks, CLI (no Redis here:
 see test_store_redis.py). Everything runs against real folders; no mocks."""
+
 from __future__ import annotations
 
 import json
@@ -23,12 +24,13 @@ L, T, H, D = 3, 17, 2, 8
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def make_kv(key: str = "plain-aaaa", dtype=torch.float32, seed: int = 0, tokens: int = T, base_pos: int = 0,
-            shape=(L, H, D)) -> ChunkKV:
+def make_kv(
+    key: str = "plain-aaaa", dtype=torch.float32, seed: int = 0, tokens: int = T, base_pos: int = 0, shape=(L, H, D)
+) -> ChunkKV:
     g = torch.Generator().manual_seed(seed)
-    l, h, d = shape
-    k = (torch.randn(l, tokens, h, d, generator=g) * 3).to(dtype)
-    v = torch.randn(l, tokens, h, d, generator=g).to(dtype)
+    n_layers, h, d = shape
+    k = (torch.randn(n_layers, tokens, h, d, generator=g) * 3).to(dtype)
+    v = torch.randn(n_layers, tokens, h, d, generator=g).to(dtype)
     return ChunkKV(key, [int(x) for x in torch.randint(0, 50000, (tokens,), generator=g)], k, v, base_pos)
 
 
@@ -44,14 +46,17 @@ def entry_path(store: DiskStore, key: str) -> Path:
 
 
 # ------------------------------------------------------------------ specs
-@pytest.mark.parametrize("spec, kinds", [
-    ("memory", ["MemoryStore"]),
-    ("memory:1000", ["MemoryStore"]),
-    ("memory?max_bytes=2G&quant=int8", ["MemoryStore"]),
-    ("disk:{tmp}/a", ["DiskStore"]),
-    ("memory+disk:{tmp}/a?max_bytes=10M", ["MemoryStore", "DiskStore"]),
-    ("memory+disk:{tmp}/a+b+disk:{tmp}/c?quant=int8", ["MemoryStore", "DiskStore", "DiskStore"]),
-])
+@pytest.mark.parametrize(
+    "spec, kinds",
+    [
+        ("memory", ["MemoryStore"]),
+        ("memory:1000", ["MemoryStore"]),
+        ("memory?max_bytes=2G&quant=int8", ["MemoryStore"]),
+        ("disk:{tmp}/a", ["DiskStore"]),
+        ("memory+disk:{tmp}/a?max_bytes=10M", ["MemoryStore", "DiskStore"]),
+        ("memory+disk:{tmp}/a+b+disk:{tmp}/c?quant=int8", ["MemoryStore", "DiskStore", "DiskStore"]),
+    ],
+)
 def test_good_specs_open_the_tiers_they_name(spec, kinds, tmp_path):
     s = open_store(spec.format(tmp=tmp_path))
     tiers = s.tiers if isinstance(s, TieredStore) else [s]
@@ -65,28 +70,31 @@ def test_good_specs_open_the_tiers_they_name(spec, kinds, tmp_path):
         assert list(s.tier_stats()) == ["memory", "disk", "disk2"]
 
 
-@pytest.mark.parametrize("spec, match", [
-    ("", "non-empty"),
-    ("   ", "non-empty"),
-    ("memroy", "unknown tier"),
-    ("s3://bucket", "unknown tier"),
-    ("memory+", "empty tier"),
-    ("disk:", "needs a folder"),
-    ("memory?max_bytes=lots", "byte count"),
-    ("memory?max_bytes=0", "at least one byte"),
-    ("memory?quant=int4", "quant must be one of"),
-    ("memory?colour=red", "unknown memory option 'colour'"),
-    ("memory?max_bytes=1G&max_bytes=2G", "given twice"),
-    ("memory?max_bytes", "bad query"),
-    ("memory+memory", "more than one memory tier"),
-    ("disk:/tmp/x?ttl=5", "unknown disk option 'ttl'"),
-    ("disk:/tmp/x?fsync=maybe", "fsync"),
-    ("redis://", "no host"),
-    ("redis://localhost:notaport/0", "bad port"),
-    ("redis://localhost:6379/zero", "db must be a number"),
-    ("redis://localhost:6379/0?ttl=-1", "ttl must be a finite number"),
-    ("redis://localhost:6379/0?timeout=abc", "timeout must be a number"),
-])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("", "non-empty"),
+        ("   ", "non-empty"),
+        ("memroy", "unknown tier"),
+        ("s3://bucket", "unknown tier"),
+        ("memory+", "empty tier"),
+        ("disk:", "needs a folder"),
+        ("memory?max_bytes=lots", "byte count"),
+        ("memory?max_bytes=0", "at least one byte"),
+        ("memory?quant=int4", "quant must be one of"),
+        ("memory?colour=red", "unknown memory option 'colour'"),
+        ("memory?max_bytes=1G&max_bytes=2G", "given twice"),
+        ("memory?max_bytes", "bad query"),
+        ("memory+memory", "more than one memory tier"),
+        ("disk:/tmp/x?ttl=5", "unknown disk option 'ttl'"),
+        ("disk:/tmp/x?fsync=maybe", "fsync"),
+        ("redis://", "no host"),
+        ("redis://localhost:notaport/0", "bad port"),
+        ("redis://localhost:6379/zero", "db must be a number"),
+        ("redis://localhost:6379/0?ttl=-1", "ttl must be a finite number"),
+        ("redis://localhost:6379/0?timeout=abc", "timeout must be a number"),
+    ],
+)
 def test_bad_specs_raise_value_error_with_a_clear_message(spec, match):
     with pytest.raises(ValueError, match=match):
         open_store(spec)
@@ -163,7 +171,7 @@ def test_disk_evicts_least_recently_used_files_under_its_budget(tmp_path):
         time.sleep(0.02)
     assert s.get("plain-0") is not None  # touches plain-0: now the most recent
     time.sleep(0.02)
-    s.put(make_kv("plain-3", seed=3))   # 4 files > budget: evict the oldest down to 90%
+    s.put(make_kv("plain-3", seed=3))  # 4 files > budget: evict the oldest down to 90%
     assert sorted(s.keys()) == ["plain-0", "plain-3"]
     assert s.stats.evictions == 2
     assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= s.max_bytes
@@ -192,8 +200,7 @@ def test_flipped_byte_is_detected_counted_and_removed(where, tmp_path, caplog):
     s.put(kv)
     p = entry_path(s, kv.key)
     hlen = int.from_bytes(p.read_bytes()[:8], "little")
-    offset = {"tensor data": 8 + hlen + 100, "last byte": -1, "header json": 8 + hlen // 2,
-              "header length": 1}[where]
+    offset = {"tensor data": 8 + hlen + 100, "last byte": -1, "header json": 8 + hlen // 2, "header length": 1}[where]
     _flip(p, offset)
     with caplog.at_level(logging.WARNING, logger="epic_rag.store"):
         assert s.get(kv.key) is None
@@ -248,8 +255,17 @@ def _forge(kv: ChunkKV, **meta_changes) -> bytes:
     return save(tensors, metadata={"epic": json.dumps(meta)})
 
 
-@pytest.mark.parametrize("change", [{"dtype": "float16"}, {"shape": [L, T, H, D * 2]}, {"shape": [L, T + 1, H, D]},
-                                    {"base_pos": -1}, {"format": "other/1"}, {"quant": "int8"}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"dtype": "float16"},
+        {"shape": [L, T, H, D * 2]},
+        {"shape": [L, T + 1, H, D]},
+        {"base_pos": -1},
+        {"format": "other/1"},
+        {"quant": "int8"},
+    ],
+)
 def test_header_inconsistent_with_tensors_is_rejected_even_with_a_valid_checksum(change, tmp_path):
     kv = make_kv()
     with pytest.raises(CorruptEntry):
@@ -283,8 +299,8 @@ def test_int8_round_trip_error_within_half_a_step(spec, dtype, tmp_path):
     assert got.k.dtype == dtype and got.quant == "int8" and got.token_ids == kv.token_ids
     for ref, out in ((kv.k, got.k), (kv.v, got.v)):
         ref32, out32 = ref.float(), out.float()
-        step = ref32.abs().amax(dim=-1, keepdim=True) / 127            # per token, per head
-        cast = out32.abs() * {torch.float32: 0, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+        step = ref32.abs().amax(dim=-1, keepdim=True) / 127  # per token, per head
+        cast = out32.abs() * {torch.float32: 0, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
         assert ((out32 - ref32).abs() <= step / 2 * (1 + 1e-5) + cast + 1e-12).all()
         rel = (out32 - ref32).norm() / ref32.norm()
         assert rel < 0.01
@@ -301,7 +317,7 @@ def test_int8_and_exact_entries_never_collide(tmp_path):
     exact, q8 = DiskStore(tmp_path), DiskStore(tmp_path, quant="int8")
     kv = make_kv()
     exact.put(kv)
-    assert q8.get(kv.key) is None and q8.stats.corrupt == 0   # a miss, not someone else's entry
+    assert q8.get(kv.key) is None and q8.stats.corrupt == 0  # a miss, not someone else's entry
     q8.put(kv)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{kv.key}.safetensors", f"{kv.key}@int8.safetensors"]
     assert_same(exact.get(kv.key), kv)
@@ -318,8 +334,8 @@ def test_int8_values_never_enter_an_exact_shared_tier(tmp_path):
     q8.put(make_kv())
     got = s.get("plain-aaaa")
     assert got.quant == "int8"
-    assert mem.contains("plain-aaaa")          # promoted into this process's memory
-    assert not exact.contains("plain-aaaa")    # but never into the exact shared folder
+    assert mem.contains("plain-aaaa")  # promoted into this process's memory
+    assert not exact.contains("plain-aaaa")  # but never into the exact shared folder
 
 
 def test_int8_refuses_non_finite_kv_without_raising(tmp_path, caplog):
@@ -454,9 +470,9 @@ def test_read_only_disk_folder_put_logs_an_error_and_does_not_raise(readonly_dir
         s.put(kv)
         s.put(make_kv("plain-other"))
     assert "cannot write chunk plain-aaaa" in caplog.text
-    assert caplog.text.count("cannot write chunk") == 1   # logged once, not per write
+    assert caplog.text.count("cannot write chunk") == 1  # logged once, not per write
     assert s.tier_stats()["disk"]["errors"] == 2
-    assert_same(s.get(kv.key), kv)                         # the memory tier still serves
+    assert_same(s.get(kv.key), kv)  # the memory tier still serves
     assert not list(readonly_dir.iterdir())
 
 
@@ -498,8 +514,13 @@ _OUT = _Out()
 
 def _cli(*argv) -> int:
     """`epic-rag ARGV` in a fresh interpreter (the real entry point; one parser per process)."""
-    r = subprocess.run([sys.executable, "-m", "epic_rag.cli", *argv], capture_output=True, text=True, timeout=300,
-                       cwd=Path(__file__).resolve().parents[1])
+    r = subprocess.run(
+        [sys.executable, "-m", "epic_rag.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     _OUT.out, _OUT.err = r.stdout, r.stderr
     return r.returncode
 

@@ -1,5 +1,6 @@
 """The store under real engines on the tiny model. vLLM allows one engine per process, so every engine
 here runs in its own subprocess (this pytest process never builds one) and reports JSON."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from epic_rag.store.localredis import LocalRedis
 ROOT = Path(__file__).resolve().parents[1]
 
 # Runs one engine: generate once, optionally damage disk entries and generate again; prints RESULT <json>.
-SCRIPT = r'''
+SCRIPT = r"""
 import json, sys
 from pathlib import Path
 cfg = json.loads(sys.argv[1])
@@ -45,25 +46,34 @@ if cfg.get("damage"):
 out["stats"] = eng.store.tier_stats()
 print("RESULT " + json.dumps(out), flush=True)
 eng.shutdown()
-'''
+"""
 
 CHUNKS = [
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n",
     "import os\nimport sys\nprint(os.path.join(sys.prefix, 'lib'))\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n        self.items.append(x)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n"
+    "    def push(self, x):\n        self.items.append(x)\n",
 ]
 QUESTION = "which function subtracts?"
 
 
 def run_engine(store: str, dtype: str = "float32", seed: int = 0, damage: str | None = None) -> dict:
-    cfg = {"store": store, "dtype": dtype, "seed": seed, "damage": damage, "question": QUESTION, "chunks": CHUNKS,
-           "model_name": "tiny-llama-v1" if seed == 0 else f"tiny-llama-v1-seed{seed}"}
+    cfg = {
+        "store": store,
+        "dtype": dtype,
+        "seed": seed,
+        "damage": damage,
+        "question": QUESTION,
+        "chunks": CHUNKS,
+        "model_name": "tiny-llama-v1" if seed == 0 else f"tiny-llama-v1-seed{seed}",
+    }
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cfg)], capture_output=True, text=True,
-                       timeout=900, cwd=ROOT, env=env)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(cfg)], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, f"engine subprocess failed (rc={r.returncode}):\n{r.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +106,11 @@ def test_second_engine_sharing_redis_links_chunks_compiled_by_the_first_without_
     n = len(first_engine["stored"])
     assert second["stored"] == first_engine["stored"]
     assert st["redis"]["hits"] == n and st["redis"]["puts"] == 0 and st["redis"]["corrupt"] == 0
-    assert st["memory"]["puts"] == n   # promoted on the way up
+    assert st["memory"]["puts"] == n  # promoted on the way up
 
 
 def test_a_model_change_misses_every_chunk(first_engine, redis_url):
-    other = run_engine(f"memory+{redis_url}", seed=1)   # same architecture and tokenizer, other weights
+    other = run_engine(f"memory+{redis_url}", seed=1)  # same architecture and tokenizer, other weights
     assert other["first"]["misses"] == len(CHUNKS) and other["first"]["hits"] == 0
     assert not set(other["first"]["keys"]) & set(first_engine["first"]["keys"])
     assert other["stats"]["redis"]["corrupt"] == 0
@@ -116,7 +126,7 @@ def test_corrupted_disk_entries_are_recompiled_and_the_answer_equals_the_clean_o
     out = run_engine(f"disk:{tmp_path}", damage=str(tmp_path))
     clean, damaged, again = out["first"], out["second"], out["third"]
     assert clean["misses"] == len(CHUNKS)
-    assert damaged["misses"] == 2 and damaged["hits"] == len(CHUNKS) - 2   # one flipped, one truncated
+    assert damaged["misses"] == 2 and damaged["hits"] == len(CHUNKS) - 2  # one flipped, one truncated
     assert damaged["tokens"] == clean["tokens"]
     assert again["misses"] == 0 and again["tokens"] == clean["tokens"]  # the recompiled entries were stored
     assert out["stats"]["disk"]["corrupt"] == 2

@@ -1,4 +1,5 @@
 """Redis tier against a real redis-server started here (127.0.0.1, free port, no persistence)."""
+
 from __future__ import annotations
 
 import logging
@@ -9,13 +10,14 @@ import time
 
 import pytest
 import torch
+from test_store import DTYPES, assert_same, make_kv
 
 from epic_rag.store import DiskStore, RedisStore, TieredStore, codec, open_store
 from epic_rag.store.localredis import LocalRedis, free_port
-from test_store import DTYPES, assert_same, make_kv
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                reason="redis-server binary not installed (apt-get install redis-server)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="redis-server binary not installed (apt-get install redis-server)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,9 @@ def test_redis_int8_round_trip_within_half_a_step_and_separate_from_exact(url, d
     assert exact.get(kv.key) is None and exact.stats.corrupt == 0
     got = q8.get(kv.key)
     step = kv.k.float().abs().amax(-1, keepdim=True) / 127
-    assert got.k.dtype == dtype and ((got.k.float() - kv.k.float()).abs() <= step / 2 + got.k.float().abs() * 2 ** -7).all()
+    assert (
+        got.k.dtype == dtype and ((got.k.float() - kv.k.float()).abs() <= step / 2 + got.k.float().abs() * 2**-7).all()
+    )
     exact.put(kv)
     assert_same(exact.get(kv.key), kv)
 
@@ -105,7 +109,7 @@ def test_keys_evicted_under_maxmemory_are_plain_misses(tmp_path):
             s.put(kv)
         assert_same(s.get(kvs[-1].key), kvs[-1])
         got = [s.get(kv.key) for kv in kvs[:-1]]
-        assert sum(g is None for g in got) >= 10       # evicted by Redis: misses, nothing else
+        assert sum(g is None for g in got) >= 10  # evicted by Redis: misses, nothing else
         for g, kv in zip(got, kvs):
             if g is not None:
                 assert_same(g, kv)
@@ -131,20 +135,20 @@ def test_redis_killed_mid_run_serves_lower_tiers_and_reconnects_after_restart(tm
         a, b, c = (make_kv(f"plain-{n}", seed=i) for i, n in enumerate("abc"))
         s.put(a)
         assert red.contains(a.key)
-        r.stop()                                   # killed, like a crash
+        r.stop()  # killed, like a crash
         mem.clear()
         with caplog.at_level(logging.WARNING, logger="epic_rag.store"):
             t0 = time.monotonic()
-            assert_same(s.get(a.key), a)           # from disk
-            s.put(b)                               # disk and memory only; no exception
+            assert_same(s.get(a.key), a)  # from disk
+            s.put(b)  # disk and memory only; no exception
             assert s.get("plain-zzz") is None
             assert time.monotonic() - t0 < 3
         assert "unreachable" in caplog.text and caplog.text.count("unreachable") == 1
         st = s.tier_stats()["redis"]
         assert st["available"] == 0 and st["errors"] >= 1
         assert disk.contains(b.key) and not red.available
-        r.start()                                  # back, empty (no persistence)
-        time.sleep(0.6)                            # past the back-off
+        r.start()  # back, empty (no persistence)
+        time.sleep(0.6)  # past the back-off
         with caplog.at_level(logging.WARNING, logger="epic_rag.store"):
             s.put(c)
         assert "reachable again" in caplog.text
@@ -152,7 +156,7 @@ def test_redis_killed_mid_run_serves_lower_tiers_and_reconnects_after_restart(tm
         assert_same(red.get(c.key), c)
         mem.clear()
         disk.clear()
-        assert_same(s.get(c.key), c)               # now served by Redis again
+        assert_same(s.get(c.key), c)  # now served by Redis again
     finally:
         r.stop()
 
@@ -185,7 +189,7 @@ def test_server_that_never_answers_does_not_block_longer_than_the_timeout(caplog
         t0 = time.monotonic()
         assert s.get("plain-aaaa") is None
         s.put(make_kv())
-        for _ in range(20):                                 # skipped without network while down
+        for _ in range(20):  # skipped without network while down
             assert s.get("plain-aaaa") is None
         assert time.monotonic() - t0 < 0.5
         assert not s.available

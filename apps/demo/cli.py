@@ -1,4 +1,5 @@
 """`epic-rag demo`: the chat server over a document corpus (runs with no arguments)."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,26 +17,40 @@ def register(subparsers) -> None:
     from .config import DEMO_MODEL
 
     d = subparsers.add_parser(
-        "demo", help="chat server over documents with an OpenAI-compatible API",
+        "demo",
+        help="chat server over documents with an OpenAI-compatible API",
         description="Serve a chat page and an OpenAI-compatible API over a document corpus "
-                    "(default: Python's pydoc text, Qwen2.5-Coder-0.5B-Instruct, FAISS retrieval, a disk chunk store).")
+        "(default: Python's pydoc text, Qwen2.5-Coder-0.5B-Instruct, FAISS retrieval, a disk chunk store).",
+    )
     d.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     d.add_argument("--port", type=int, default=8000)
-    d.add_argument("--corpus", default="builtin:pydoc",
-                   help="folder of .txt/.md/.pdf/.html documents (uploads are saved there), or builtin:pydoc")
-    d.add_argument("--store", default=None,
-                   help="chunk store spec (default memory?max_bytes=2G+disk:<data-dir>/kv, so a restart "
-                        "reuses compiled chunks; memory+redis://HOST:6379/0 shares them between replicas)")
+    d.add_argument(
+        "--corpus",
+        default="builtin:pydoc",
+        help="folder of .txt/.md/.pdf/.html documents (uploads are saved there), or builtin:pydoc",
+    )
+    d.add_argument(
+        "--store",
+        default=None,
+        help="chunk store spec (default memory?max_bytes=2G+disk:<data-dir>/kv, so a restart "
+        "reuses compiled chunks; memory+redis://HOST:6379/0 shares them between replicas)",
+    )
     d.add_argument("--policy", default="legolink-16", help="default link policy (the page can switch)")
-    d.add_argument("--api-key", default=None,
-                   help="require this key (Authorization: Bearer KEY); default: $EPIC_RAG_API_KEY, else none")
+    d.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key (Authorization: Bearer KEY); default: $EPIC_RAG_API_KEY, else none",
+    )
     d.add_argument("--model", default=DEMO_MODEL, help=f"packaged model name or model folder (default {DEMO_MODEL})")
     d.add_argument("--data-dir", default=None, help="default ~/.cache/epic_rag/demo")
     d.add_argument("--top-k", type=int, default=4)
     d.add_argument("--chunk-tokens", type=int, default=256)
     d.add_argument("--max-model-len", type=int, default=8192)
-    d.add_argument("--no-browser-needed", action="store_true",
-                   help="do not open the page in a web browser (servers, CI, API-only use)")
+    d.add_argument(
+        "--no-browser-needed",
+        action="store_true",
+        help="do not open the page in a web browser (servers, CI, API-only use)",
+    )
     d.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     d.set_defaults(func=cmd_demo)
 
@@ -47,10 +62,17 @@ def _config(args):
         p = Path(args.corpus).expanduser()
         if not p.is_dir():
             raise ValueError(f"--corpus {args.corpus}: not a folder")
-    return DemoConfig(corpus=args.corpus, data_dir=Path(args.data_dir) if args.data_dir else default_data_dir(),
-                      store=args.store, policy=args.policy, model=args.model,
-                      api_key=args.api_key or os.environ.get("EPIC_RAG_API_KEY") or None,
-                      top_k=args.top_k, chunk_tokens=args.chunk_tokens, max_model_len=args.max_model_len)
+    return DemoConfig(
+        corpus=args.corpus,
+        data_dir=Path(args.data_dir) if args.data_dir else default_data_dir(),
+        store=args.store,
+        policy=args.policy,
+        model=args.model,
+        api_key=args.api_key or os.environ.get("EPIC_RAG_API_KEY") or None,
+        top_k=args.top_k,
+        chunk_tokens=args.chunk_tokens,
+        max_model_len=args.max_model_len,
+    )
 
 
 def _progress_bars(library):
@@ -63,8 +85,14 @@ def _progress_bars(library):
         for name, done in (("embedded", p.embedded), ("compiled", p.compiled)):
             bar = bars.get(name)
             if bar is None:
-                bar = bars[name] = tqdm(total=max(p.chunks, 1), desc=f"chunks {name}", unit="chunk",
-                                        position=len(bars), leave=True, dynamic_ncols=True)
+                bar = bars[name] = tqdm(
+                    total=max(p.chunks, 1),
+                    desc=f"chunks {name}",
+                    unit="chunk",
+                    position=len(bars),
+                    leave=True,
+                    dynamic_ncols=True,
+                )
             bar.total = max(p.chunks, 1)
             bar.n = done
             bar.refresh()
@@ -83,8 +111,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     app = create_app(engine=None, config=cfg)
     state = app.state.demo
     # Serve at once (/healthz answers "loading"); the engine loads on this thread (vLLM wants the main one).
-    server = BackgroundServer(app, args.host, args.port, log_level=args.log_level,
-                              access_log=args.log_level == "debug")
+    server = BackgroundServer(app, args.host, args.port, log_level=args.log_level, access_log=args.log_level == "debug")
     server.start()
 
     def stop(signum, frame):
@@ -102,15 +129,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from epic_rag import EpicEngine
 
         store = open_demo_store(cfg.store_spec)
-        engine = EpicEngine(EngineConfig(model=cfg.model, policy=cfg.policy, store=store,
-                                         max_model_len=cfg.max_model_len))
-        print(f"engine ready in {time.perf_counter() - t0:.1f}s (store {type(engine.store).__name__}); "
-              "ingesting the corpus in the background", file=sys.stderr)
+        engine = EpicEngine(
+            EngineConfig(model=cfg.model, policy=cfg.policy, store=store, max_model_len=cfg.max_model_len)
+        )
+        print(
+            f"engine ready in {time.perf_counter() - t0:.1f}s (store {type(engine.store).__name__}); "
+            "ingesting the corpus in the background",
+            file=sys.stderr,
+        )
         state.library.listeners.append(_progress_bars(state.library))
         state.attach_engine(engine)
-        if not args.no_browser_needed and sys.stdout.isatty() and (
-                os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or sys.platform == "darwin"):
+        if (
+            not args.no_browser_needed
+            and sys.stdout.isatty()
+            and (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or sys.platform == "darwin")
+        ):
             import webbrowser
+
             webbrowser.open(server.url)
         while server.thread.is_alive():
             server.thread.join(1.0)

@@ -1,4 +1,5 @@
 """DemoConfig: what the demo server runs (corpus, store, limits), and opening its chunk store."""
+
 from __future__ import annotations
 
 import logging
@@ -24,31 +25,40 @@ def default_data_dir() -> Path:
 
 @dataclass(slots=True)
 class DemoConfig:
-    corpus: str = "builtin:pydoc"        # builtin:pydoc, builtin:pydoc:<mod>,<mod>..., or a folder
+    corpus: str = "builtin:pydoc"  # builtin:pydoc, builtin:pydoc:<mod>,<mod>..., or a folder
     data_dir: Path = field(default_factory=default_data_dir)
-    store: str | None = None             # chunk store spec; None: memory over a disk tier under data_dir
-    policy: str = "legolink-16"          # default link policy (each request may pick another)
+    store: str | None = None  # chunk store spec; None: memory over a disk tier under data_dir
+    policy: str = "legolink-16"  # default link policy (each request may pick another)
     model: str = DEMO_MODEL
-    api_key: str | None = None           # when set, every route that does work needs it
+    api_key: str | None = None  # when set, every route that does work needs it
     top_k: int = 4
     max_top_k: int = 16
     chunk_tokens: int = 256
-    compile_batch: int = 4               # chunks per engine.compile call (small: a chat waits for at most one)
+    compile_batch: int = 4  # chunks per engine.compile call (small: a chat waits for at most one)
     default_max_tokens: int = 128
     max_tokens_limit: int = 1024
-    max_prompt_chars: int = 8000         # all message text of one request together
+    max_prompt_chars: int = 8000  # all message text of one request together
     max_messages: int = 64
-    history_messages: int = 6            # earlier turns folded into the question as context
-    max_body_bytes: int = 1 << 20        # JSON bodies
-    max_upload_bytes: int = 10 << 20     # one uploaded document
+    history_messages: int = 6  # earlier turns folded into the question as context
+    max_body_bytes: int = 1 << 20  # JSON bodies
+    max_upload_bytes: int = 10 << 20  # one uploaded document
     max_model_len: int = 8192
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser()
         parse_policy(self.policy)
-        for name in ("top_k", "max_top_k", "chunk_tokens", "compile_batch", "default_max_tokens",
-                     "max_tokens_limit", "max_prompt_chars", "max_messages", "max_body_bytes",
-                     "max_upload_bytes"):
+        for name in (
+            "top_k",
+            "max_top_k",
+            "chunk_tokens",
+            "compile_batch",
+            "default_max_tokens",
+            "max_tokens_limit",
+            "max_prompt_chars",
+            "max_messages",
+            "max_body_bytes",
+            "max_upload_bytes",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name == "top_k" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -88,6 +98,10 @@ def open_demo_store(spec: str):
     try:
         return open_store(spec)
     except (ValueError, OSError, ImportError, ConnectionError) as e:
-        log.warning("chunk store %r is not available (%s); using the memory store instead, so compiled "
-                    "chunks will not survive a restart", spec, e)
+        log.warning(
+            "chunk store %r is not available (%s); using the memory store instead, so compiled "
+            "chunks will not survive a restart",
+            spec,
+            e,
+        )
         return open_store("memory")

@@ -4,6 +4,7 @@ One background thread does all ingestion (chunking, embedding, engine.compile in
 server answers while a corpus loads. Chunks become searchable once embedded; until a chunk is compiled
 a question that retrieves it passes its text and the engine compiles it on the fly.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,40 +50,48 @@ def safe_upload_name(name: object) -> str:
     if not base or base.startswith("."):
         raise ValueError("file name must be a plain, non-hidden file name")
     if Path(base).suffix.lower() not in DOC_SUFFIXES:
-        raise ValueError(f"unsupported file type {Path(base).suffix or '(none)'}; "
-                         f"supported: {', '.join(sorted(DOC_SUFFIXES))}")
+        raise ValueError(
+            f"unsupported file type {Path(base).suffix or '(none)'}; supported: {', '.join(sorted(DOC_SUFFIXES))}"
+        )
     return base
 
 
 @dataclass(slots=True)
 class ChunkRecord:
-    id: str                      # "<document>#<index>"
+    id: str  # "<document>#<index>"
     doc: str
     index: int
     text: str
     ref: ChunkRef | None = None  # set once compiled into the store
-    failed: bool = False         # compile failed: questions pass the text (compiled on the fly)
+    failed: bool = False  # compile failed: questions pass the text (compiled on the fly)
 
 
 @dataclass(slots=True)
 class DocInfo:
     name: str
-    source: str                  # builtin | corpus | upload
+    source: str  # builtin | corpus | upload
     path: Path | None
     chars: int
     chunks: int = 0
     compiled: int = 0
-    state: str = "queued"        # queued | indexing | compiling | ready | error
+    state: str = "queued"  # queued | indexing | compiling | ready | error
     error: str | None = None
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "source": self.source, "chars": self.chars, "chunks": self.chunks,
-                "compiled": self.compiled, "state": self.state, "error": self.error}
+        return {
+            "name": self.name,
+            "source": self.source,
+            "chars": self.chars,
+            "chunks": self.chunks,
+            "compiled": self.compiled,
+            "state": self.state,
+            "error": self.error,
+        }
 
 
 @dataclass(slots=True)
 class Progress:
-    state: str = "waiting"       # waiting (no engine yet) | loading | indexing | compiling | ready
+    state: str = "waiting"  # waiting (no engine yet) | loading | indexing | compiling | ready
     documents: int = 0
     chunks: int = 0
     embedded: int = 0
@@ -92,10 +101,16 @@ class Progress:
     started: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict:
-        return {"state": self.state, "documents": self.documents, "chunks": self.chunks,
-                "embedded": self.embedded, "compiled": self.compiled,
-                "compile_seconds": round(self.compile_seconds, 2), "errors": self.errors[-10:],
-                "elapsed_s": round(time.time() - self.started, 1)}
+        return {
+            "state": self.state,
+            "documents": self.documents,
+            "chunks": self.chunks,
+            "embedded": self.embedded,
+            "compiled": self.compiled,
+            "compile_seconds": round(self.compile_seconds, 2),
+            "errors": self.errors[-10:],
+            "elapsed_s": round(time.time() - self.started, 1),
+        }
 
 
 class Library:
@@ -108,18 +123,18 @@ class Library:
         self._lock = threading.RLock()
         self.docs: dict[str, DocInfo] = {}
         self.chunks: dict[str, ChunkRecord] = {}
-        self._ids: list[str] = []                            # chunk id per index row
-        self._index = None                                   # faiss IndexFlatIP over L2-normalised vectors
+        self._ids: list[str] = []  # chunk id per index row
+        self._index = None  # faiss IndexFlatIP over L2-normalised vectors
         self._tasks: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.progress = Progress()
-        self.listeners: list[Callable[[Progress], None]] = []   # called after each step (the CLI's tqdm)
+        self.listeners: list[Callable[[Progress], None]] = []  # called after each step (the CLI's tqdm)
         # True while chats are being answered: compiling waits, so a question asked during ingestion is
         # not decoded in the same engine steps as a batch of chunk prefills.
         self.busy: Callable[[], bool] = lambda: False
         self._emb_dir = config.data_dir / "embeddings"
-        self._enc_lock = threading.Lock()      # HF fast tokenizers are not safe to share across threads
+        self._enc_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, engine) -> None:
@@ -153,6 +168,7 @@ class Library:
     def encoder(self):
         if self._encoder is None:
             from epic_rag.embeddings import sentence_encoder
+
             self._encoder = sentence_encoder()
         return self._encoder
 
@@ -160,7 +176,7 @@ class Library:
     def add_upload(self, filename: str, data: bytes) -> DocInfo:
         """Validate and save an uploaded document, then index and compile it in the background."""
         name = safe_upload_name(filename)
-        doc = read_document(name, data)       # ValueError on unsupported types, bad UTF-8, NUL bytes
+        doc = read_document(name, data)  # ValueError on unsupported types, bad UTF-8, NUL bytes
         folder = self.cfg.uploads_dir
         folder.mkdir(parents=True, exist_ok=True)
         path = (folder / name).resolve()
@@ -264,8 +280,11 @@ class Library:
         if folder.is_dir():
             for p in sorted(folder.rglob("*")):
                 rel = p.relative_to(folder).as_posix()
-                if not p.is_file() or p.suffix.lower() not in DOC_SUFFIXES or any(
-                        part.startswith(".") for part in p.relative_to(folder).parts):
+                if (
+                    not p.is_file()
+                    or p.suffix.lower() not in DOC_SUFFIXES
+                    or any(part.startswith(".") for part in p.relative_to(folder).parts)
+                ):
                     continue
                 try:
                     d = read_document(p.name, p.read_bytes())
@@ -290,7 +309,7 @@ class Library:
     def _index_document(self, doc: Document, info: DocInfo) -> None:
         with self._lock:
             if self.docs.get(info.name) is not info or info.state != "queued":
-                return                      # deleted, replaced or already indexed meanwhile
+                return  # deleted, replaced or already indexed meanwhile
             info.state = "indexing"
             self.progress.state = "indexing"
         try:
@@ -311,6 +330,7 @@ class Library:
                 self.progress.embedded -= len(records)
                 return
             import faiss
+
             if self._index is None:
                 faiss.omp_set_num_threads(1)
                 self._index = faiss.IndexFlatIP(emb.shape[1])
@@ -339,7 +359,7 @@ class Library:
             log.exception("compiling %d chunks failed", len(batch))
             with self._lock:
                 self.progress.errors.append(f"compile: {e}")
-                for c in batch:            # left to on-the-fly compile at question time
+                for c in batch:  # left to on-the-fly compile at question time
                     c.failed = True
                     if c.doc in self.docs:
                         self.docs[c.doc].state, self.docs[c.doc].error = "error", str(e)
@@ -392,10 +412,14 @@ class Library:
             with self._lock:
                 self.progress.embedded += len(texts) - len(todo)
         for s in range(0, len(todo), 32):
-            part = todo[s:s + 32]
+            part = todo[s : s + 32]
             with self._enc_lock:
-                vecs = np.asarray(self.encoder.encode([texts[i] for i in part], normalize_embeddings=True,
-                                                      batch_size=32, show_progress_bar=False), dtype=np.float32)
+                vecs = np.asarray(
+                    self.encoder.encode(
+                        [texts[i] for i in part], normalize_embeddings=True, batch_size=32, show_progress_bar=False
+                    ),
+                    dtype=np.float32,
+                )
             for i, v in zip(part, vecs):
                 out[i] = v
                 if progress:

@@ -1,4 +1,5 @@
 """Prometheus metrics of one demo app (its own registry, so several apps can live in one process)."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,9 +18,14 @@ class _StoreCollector:
     def collect(self):
         engine = self._engine()
         tiers: dict[str, dict] = engine.store.tier_stats() if engine is not None else {}
-        counters = {"hits": "chunk lookups the tier answered", "misses": "chunk lookups the tier missed",
-                    "puts": "chunks written", "evictions": "chunks evicted", "errors": "tier errors",
-                    "corrupt": "corrupt entries dropped"}
+        counters = {
+            "hits": "chunk lookups the tier answered",
+            "misses": "chunk lookups the tier missed",
+            "puts": "chunks written",
+            "evictions": "chunks evicted",
+            "errors": "tier errors",
+            "corrupt": "corrupt entries dropped",
+        }
         for name, doc in counters.items():
             fam = CounterMetricFamily(f"epic_rag_store_{name}", doc, labels=["tier"])
             for tier, st in tiers.items():
@@ -42,24 +48,42 @@ class _StoreCollector:
 class DemoMetrics:
     def __init__(self, get_engine, library) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("epic_rag_http_requests", "HTTP requests by route and status",
-                                ["route", "method", "status"], registry=r)
-        self.chat = Counter("epic_rag_chat_completions", "chat completions by policy and outcome",
-                            ["policy", "stream", "outcome"], registry=r)
-        self.ttft = Histogram("epic_rag_time_to_first_token_seconds", "engine time to first token",
-                              ["policy"], buckets=TTFT_BUCKETS, registry=r)
-        self.retrieval = Histogram("epic_rag_retrieval_seconds", "query embedding + FAISS search",
-                                   buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
+        self.requests = Counter(
+            "epic_rag_http_requests", "HTTP requests by route and status", ["route", "method", "status"], registry=r
+        )
+        self.chat = Counter(
+            "epic_rag_chat_completions",
+            "chat completions by policy and outcome",
+            ["policy", "stream", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "epic_rag_time_to_first_token_seconds",
+            "engine time to first token",
+            ["policy"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.retrieval = Histogram(
+            "epic_rag_retrieval_seconds",
+            "query embedding + FAISS search",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
         self.prompt_tokens = Counter("epic_rag_prompt_tokens", "prompt tokens", ["policy"], registry=r)
-        self.linked_tokens = Counter("epic_rag_linked_tokens", "prompt tokens whose KV was linked from the store",
-                                     ["policy"], registry=r)
-        self.recomputed_tokens = Counter("epic_rag_recomputed_tokens", "prompt tokens recomputed",
-                                         ["policy"], registry=r)
+        self.linked_tokens = Counter(
+            "epic_rag_linked_tokens", "prompt tokens whose KV was linked from the store", ["policy"], registry=r
+        )
+        self.recomputed_tokens = Counter(
+            "epic_rag_recomputed_tokens", "prompt tokens recomputed", ["policy"], registry=r
+        )
         self.generation_tokens = Counter("epic_rag_generation_tokens", "generated tokens", ["policy"], registry=r)
-        self.chunk_hits = Counter("epic_rag_request_chunk_hits", "chunks found compiled in the store",
-                                  ["policy"], registry=r)
-        self.chunk_misses = Counter("epic_rag_request_chunk_misses", "chunks compiled at question time",
-                                    ["policy"], registry=r)
+        self.chunk_hits = Counter(
+            "epic_rag_request_chunk_hits", "chunks found compiled in the store", ["policy"], registry=r
+        )
+        self.chunk_misses = Counter(
+            "epic_rag_request_chunk_misses", "chunks compiled at question time", ["policy"], registry=r
+        )
         self.errors = Counter("epic_rag_errors", "errors by kind", ["kind"], registry=r)
         self.inflight = Gauge("epic_rag_inflight_requests", "chat completions in progress", registry=r)
         r.register(_StoreCollector(get_engine, library))

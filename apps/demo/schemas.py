@@ -4,6 +4,7 @@ Unknown fields are ignored (OpenAI clients send many optional ones); the demo's 
 top_k, chunk_ids, use_retrieval) travel in the body the way the OpenAI client's `extra_body` sends them.
 Limits that depend on the server's configuration are checked in the route.
 """
+
 from __future__ import annotations
 
 from typing import Literal

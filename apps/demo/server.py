@@ -4,6 +4,7 @@ Every chat request goes through the engine's async path (EpicEngine.astream_even
 around generation, so vLLM batches concurrent chats. A client that disconnects cancels its stream:
 the cancellation reaches the engine's async generator, which aborts the request in vLLM.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,10 @@ from .schemas import ChatCompletionRequest
 
 log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).parent / "static"
-PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-            "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+PAGE_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
+)
 
 
 class DemoState:
@@ -47,7 +50,7 @@ class DemoState:
         self.library = Library(config, encoder)
         self.metrics = DemoMetrics(lambda: self.engine, self.library)
         self.started = time.time()
-        self.active_chats = 0                       # chat completions in flight (ingestion yields to them)
+        self.active_chats = 0  # chat completions in flight (ingestion yields to them)
         self.library.busy = lambda: self.active_chats > 0
 
     def attach_engine(self, engine) -> None:
@@ -90,9 +93,12 @@ class LimitsAndMetrics:
         try:
             declared = dict(scope.get("headers") or []).get(b"content-length")
             if declared is not None and (not declared.isdigit() or int(declared) > limit):
-                resp = _error_response(413 if declared.isdigit() else 400,
-                                       f"request body exceeds the limit of {limit} bytes"
-                                       if declared.isdigit() else "bad Content-Length header")
+                resp = _error_response(
+                    413 if declared.isdigit() else 400,
+                    f"request body exceeds the limit of {limit} bytes"
+                    if declared.isdigit()
+                    else "bad Content-Length header",
+                )
                 await resp(scope, receive, send_wrapper)
                 return
             seen = 0
@@ -125,11 +131,18 @@ class LimitsAndMetrics:
 
 
 def _error_response(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "request_too_large", 503: "service_unavailable"}.get(status, "server_error" if status >= 500
-                                                                      else "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status, headers=headers)
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        503: "service_unavailable",
+    }.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}},
+        status_code=status,
+        headers=headers,
+    )
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -156,6 +169,7 @@ class EventStreamResponse(StreamingResponse):
     async def __call__(self, scope, receive, send):
         try:
             async with anyio.create_task_group() as tg:
+
                 async def stream():
                     await self.stream_response(send)
                     tg.cancel_scope.cancel()
@@ -179,7 +193,7 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
     """The demo app. Pass a ready engine (tests share one), or attach one later with
     app.state.demo.attach_engine(engine) (the CLI serves /healthz while the engine loads)."""
     cfg = config or DemoConfig()
-    if engine is not None:          # the model actually served is the engine's
+    if engine is not None:  # the model actually served is the engine's
         cfg.model = str(engine.config.model)
     state = DemoState(cfg, encoder)
 
@@ -219,29 +233,44 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
         auth = request.headers.get("authorization", "")
         got = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(got.encode("utf-8", "surrogateescape"), key.encode("utf-8")):
-            raise HTTPException(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401,
+                "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     def need_engine():
         if state.engine is None:
-            raise HTTPException(503, "the engine is still loading; retry in a few seconds",
-                                headers={"Retry-After": "5"})
+            raise HTTPException(
+                503, "the engine is still loading; retry in a few seconds", headers={"Retry-After": "5"}
+            )
         return state.engine
 
     # ------------------------------------------------------------------ open routes
     @app.get("/healthz")
     async def healthz():
-        return {"status": "ok" if state.engine is not None else "loading", "model": cfg.served_model,
-                "ingest": state.library.progress.state, "auth_required": cfg.api_key is not None,
-                "default_policy": cfg.policy, "policies": PAGE_POLICIES, "top_k": cfg.top_k,
-                "max_top_k": cfg.max_top_k, "default_max_tokens": cfg.default_max_tokens,
-                "max_tokens_limit": cfg.max_tokens_limit, "max_upload_bytes": cfg.max_upload_bytes,
-                "uptime_s": round(time.time() - state.started, 1)}
+        return {
+            "status": "ok" if state.engine is not None else "loading",
+            "model": cfg.served_model,
+            "ingest": state.library.progress.state,
+            "auth_required": cfg.api_key is not None,
+            "default_policy": cfg.policy,
+            "policies": PAGE_POLICIES,
+            "top_k": cfg.top_k,
+            "max_top_k": cfg.max_top_k,
+            "default_max_tokens": cfg.default_max_tokens,
+            "max_tokens_limit": cfg.max_tokens_limit,
+            "max_upload_bytes": cfg.max_upload_bytes,
+            "uptime_s": round(time.time() - state.started, 1),
+        }
 
     @app.get("/", include_in_schema=False)
     async def page():
-        return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
-                            headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-cache"})
+        return FileResponse(
+            STATIC_DIR / "index.html",
+            media_type="text/html",
+            headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-cache"},
+        )
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
@@ -254,8 +283,12 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
 
     @api.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": cfg.served_model, "object": "model",
-                                            "created": int(state.started), "owned_by": "epic-rag"}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": cfg.served_model, "object": "model", "created": int(state.started), "owned_by": "epic-rag"}
+            ],
+        }
 
     @api.get("/api/status")
     async def status():
@@ -288,8 +321,9 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
         engine = need_engine()
         plan = await _plan(state, body, engine)
         if body.stream:
-            return EventStreamResponse(_stream(state, engine, body, plan),
-                                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return EventStreamResponse(
+                _stream(state, engine, body, plan), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            )
         return await _complete(state, engine, body, plan, request)
 
     app.include_router(api)
@@ -302,8 +336,9 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
 class _Plan:
     """One chat request resolved: engine request, sources, sampling settings."""
 
-    def __init__(self, req, sources: list[dict], policy: str, max_tokens: int, temperature: float,
-                 retrieval_s: float) -> None:
+    def __init__(
+        self, req, sources: list[dict], policy: str, max_tokens: int, temperature: float, retrieval_s: float
+    ) -> None:
         self.req = req
         self.sources = sources
         self.policy = policy
@@ -357,7 +392,7 @@ async def _plan(state: DemoState, body: ChatCompletionRequest, engine) -> _Plan:
         state.metrics.retrieval.observe(retrieval_s)
 
     if picked:
-        earlier = dialog[:-1][-cfg.history_messages:]
+        earlier = dialog[:-1][-cfg.history_messages :]
         if earlier:
             lines = "\n".join(f"{m.role.capitalize()}: {m.text.strip()}" for m in earlier)
             question = f"{question}\n\n(Earlier in this conversation:\n{lines})"
@@ -365,26 +400,41 @@ async def _plan(state: DemoState, body: ChatCompletionRequest, engine) -> _Plan:
         req = RagRequest(question=question, chunks=chunks, system=system)
     else:
         msgs = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": m.role, "content": m.text} for m in dialog[-(cfg.history_messages + 1):]]
+            {"role": m.role, "content": m.text} for m in dialog[-(cfg.history_messages + 1) :]
+        ]
         req = engine.render_messages(msgs)
-    try:   # validated and tokenized once, off the event loop; the engine's own check decides what fits
+    try:  # validated and tokenized once, off the event loop; the engine's own check decides what fits
         req = await asyncio.to_thread(engine.prepare, req, max_tokens, temperature, policy, body.stop_list)
     except ValueError as e:
         raise HTTPException(400, f"prompt too long or invalid: {e} (lower top_k or shorten messages)") from None
-    sources = [{"n": i + 1, "id": c.id, "doc": c.doc, "index": c.index,
-                "score": None if s is None else round(s, 4),
-                "tokens": c.ref.num_tokens if c.ref is not None and c.ref.key else None,
-                "compiled": c.ref is not None and bool(c.ref.key), "text": c.text}
-               for i, (c, s) in enumerate(picked)]
+    sources = [
+        {
+            "n": i + 1,
+            "id": c.id,
+            "doc": c.doc,
+            "index": c.index,
+            "score": None if s is None else round(s, 4),
+            "tokens": c.ref.num_tokens if c.ref is not None and c.ref.key else None,
+            "compiled": c.ref is not None and bool(c.ref.key),
+            "text": c.text,
+        }
+        for i, (c, s) in enumerate(picked)
+    ]
     return _Plan(req, sources, policy, max_tokens, temperature, retrieval_s)
 
 
 def _epic(plan: _Plan, gen: Generation | None) -> dict:
     out = {"policy": plan.policy, "retrieval_s": round(plan.retrieval_s, 4), "sources": plan.sources}
     if gen is not None:
-        out.update(ttft_s=round(gen.ttft_s, 4), total_s=round(gen.total_s, 4), prompt_tokens=gen.prompt_tokens,
-                   linked_tokens=gen.linked_tokens, recomputed_tokens=gen.recomputed_tokens,
-                   chunk_hits=gen.chunk_hits, chunk_misses=gen.chunk_misses)
+        out.update(
+            ttft_s=round(gen.ttft_s, 4),
+            total_s=round(gen.total_s, 4),
+            prompt_tokens=gen.prompt_tokens,
+            linked_tokens=gen.linked_tokens,
+            recomputed_tokens=gen.recomputed_tokens,
+            chunk_hits=gen.chunk_hits,
+            chunk_misses=gen.chunk_misses,
+        )
     return out
 
 
@@ -411,7 +461,7 @@ async def _complete(state: DemoState, engine, body: ChatCompletionRequest, plan:
             done, _ = await asyncio.wait({task}, timeout=0.25)
             if done:
                 break
-            if await request.is_disconnected():     # nobody to answer: abort in the engine
+            if await request.is_disconnected():  # nobody to answer: abort in the engine
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
@@ -433,10 +483,22 @@ async def _complete(state: DemoState, engine, body: ChatCompletionRequest, plan:
         m.inflight.dec()
         state.active_chats -= 1
     m.observe_generation(gen, stream=False)
-    return {"id": plan.id, "object": "chat.completion", "created": plan.created, "model": state.cfg.served_model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
-                         "finish_reason": gen.finish_reason or "stop", "logprobs": None}],
-            "usage": _usage(gen), "epic": _epic(plan, gen)}
+    return {
+        "id": plan.id,
+        "object": "chat.completion",
+        "created": plan.created,
+        "model": state.cfg.served_model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": gen.text},
+                "finish_reason": gen.finish_reason or "stop",
+                "logprobs": None,
+            }
+        ],
+        "usage": _usage(gen),
+        "epic": _epic(plan, gen),
+    }
 
 
 async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _Plan):
@@ -444,8 +506,16 @@ async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _
     model = state.cfg.served_model
 
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        return _sse({"id": plan.id, "object": "chat.completion.chunk", "created": plan.created, "model": model,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra})
+        return _sse(
+            {
+                "id": plan.id,
+                "object": "chat.completion.chunk",
+                "created": plan.created,
+                "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+                **extra,
+            }
+        )
 
     m.inflight.inc()
     state.active_chats += 1
@@ -468,23 +538,46 @@ async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _
             if not isinstance(e, ValueError):
                 log.exception("streamed generation failed")
             m.errors.labels("engine" if not isinstance(e, ValueError) else "bad_request").inc()
-            yield _sse({"error": {"message": str(e), "type": "invalid_request_error" if isinstance(e, ValueError)
-                                  else "server_error", "param": None, "code": 400 if isinstance(e, ValueError)
-                                  else 500}})
+            yield _sse(
+                {
+                    "error": {
+                        "message": str(e),
+                        "type": "invalid_request_error" if isinstance(e, ValueError) else "server_error",
+                        "param": None,
+                        "code": 400 if isinstance(e, ValueError) else 500,
+                    }
+                }
+            )
             yield "data: [DONE]\n\n"
             return
         if gen is None:
             outcome = "error"
-            yield _sse({"error": {"message": "generation ended without a result", "type": "server_error",
-                                  "param": None, "code": 500}})
+            yield _sse(
+                {
+                    "error": {
+                        "message": "generation ended without a result",
+                        "type": "server_error",
+                        "param": None,
+                        "code": 500,
+                    }
+                }
+            )
             yield "data: [DONE]\n\n"
             return
         outcome = "ok"
         m.observe_generation(gen, stream=True)
         yield chunk({}, gen.finish_reason or "stop", epic=_epic(plan, gen))
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield _sse({"id": plan.id, "object": "chat.completion.chunk", "created": plan.created, "model": model,
-                        "choices": [], "usage": _usage(gen)})
+            yield _sse(
+                {
+                    "id": plan.id,
+                    "object": "chat.completion.chunk",
+                    "created": plan.created,
+                    "model": model,
+                    "choices": [],
+                    "usage": _usage(gen),
+                }
+            )
         yield "data: [DONE]\n\n"
     finally:
         m.inflight.dec()
@@ -497,8 +590,9 @@ async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _
 class BackgroundServer:
     """uvicorn in a daemon thread on an already bound socket (port 0 picks a free port)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 access_log: bool = False) -> None:
+    def __init__(
+        self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", access_log: bool = False
+    ) -> None:
         import uvicorn
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -506,10 +600,12 @@ class BackgroundServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=access_log,
-                                                    timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="epic-demo-http", daemon=True)
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=access_log, timeout_graceful_shutdown=5)
+        )
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, name="epic-demo-http", daemon=True
+        )
 
     @property
     def url(self) -> str:

@@ -22,6 +22,7 @@ reaches the engine rather than the route's first check. Importing this module re
 `run_load` and the fuzz helpers are imported by tests/test_reliability_soak.py and
 tests/test_reliability_fuzz.py, which run both in tiny configurations.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,8 @@ import tempfile
 import time
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from epic_rag.bench.common import DEFAULT_OUT, command_line, machine, percentile, write
 
@@ -48,10 +49,42 @@ MODULE = "apps.demo.soak"
 KEY = "soak-key"
 
 # ---------------------------------------------------------------------- corpus and questions
-_PLACES = ["Aldmoor", "Brackwater", "Caddon", "Dunhallow", "Eskby", "Fenwick", "Glasmere", "Harrowgate",
-           "Ilsworth", "Jessop", "Kirkby", "Lowdown", "Marchbank", "Northey", "Oxcombe", "Pellworth"]
-_THINGS = ["bridge", "lighthouse", "library", "observatory", "mill", "ferry", "museum", "market",
-           "tower", "harbour", "station", "theatre", "garden", "archive", "chapel", "school"]
+_PLACES = [
+    "Aldmoor",
+    "Brackwater",
+    "Caddon",
+    "Dunhallow",
+    "Eskby",
+    "Fenwick",
+    "Glasmere",
+    "Harrowgate",
+    "Ilsworth",
+    "Jessop",
+    "Kirkby",
+    "Lowdown",
+    "Marchbank",
+    "Northey",
+    "Oxcombe",
+    "Pellworth",
+]
+_THINGS = [
+    "bridge",
+    "lighthouse",
+    "library",
+    "observatory",
+    "mill",
+    "ferry",
+    "museum",
+    "market",
+    "tower",
+    "harbour",
+    "station",
+    "theatre",
+    "garden",
+    "archive",
+    "chapel",
+    "school",
+]
 
 
 def corpus_docs() -> dict[str, tuple[str, str, str]]:
@@ -61,11 +94,16 @@ def corpus_docs() -> dict[str, tuple[str, str, str]]:
         code = 1000 + (i * 7919) % 9000
         year = 1850 + (i * 13) % 150
         keeper = f"{['Ada', 'Bram', 'Cora', 'Dev', 'Edda', 'Finn', 'Gus', 'Hana'][i % 8]} {place[:3]}ley"
-        filler = " ".join(f"In {year + k} the {thing} of {place} was repainted, and the records of that year "
-                          f"list {k * 3 + i} visitors on the first day." for k in range(8))
-        text = (f"The {thing} of {place} opened in {year}. Its keeper is {keeper}. "
-                f"The access code of the {place} {thing} is {code}. {filler} "
-                f"Visitors to {place} are asked to sign the book at the entrance of the {thing}.")
+        filler = " ".join(
+            f"In {year + k} the {thing} of {place} was repainted, and the records of that year "
+            f"list {k * 3 + i} visitors on the first day."
+            for k in range(8)
+        )
+        text = (
+            f"The {thing} of {place} opened in {year}. Its keeper is {keeper}. "
+            f"The access code of the {place} {thing} is {code}. {filler} "
+            f"Visitors to {place} are asked to sign the book at the entrance of the {thing}."
+        )
         docs[f"{place.lower()}-{thing}.txt"] = (text, f"What is the access code of the {place} {thing}?", str(code))
     return docs
 
@@ -91,11 +129,25 @@ class DemoProcess:
         self.log_path = log or data_dir / "demo.log"
         data_dir.mkdir(parents=True, exist_ok=True)
         exe = shutil.which("epic-rag", path=str(Path(sys.executable).parent)) or "epic-rag"
-        self.cmd = [exe, "demo", "--corpus", str(corpus), "--data-dir", str(data_dir), "--port", str(self.port),
-                    "--api-key", key, "--no-browser-needed", "--log-level", "warning"]
+        self.cmd = [
+            exe,
+            "demo",
+            "--corpus",
+            str(corpus),
+            "--data-dir",
+            str(data_dir),
+            "--port",
+            str(self.port),
+            "--api-key",
+            key,
+            "--no-browser-needed",
+            "--log-level",
+            "warning",
+        ]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1")
+        )
 
     def wait_ready(self, timeout: float = 1800) -> dict:
         import httpx
@@ -142,8 +194,9 @@ def scrape_metrics(url: str, key: str) -> dict[str, float]:
         if line.startswith("#") or " " not in line:
             continue
         name, value = line.rsplit(" ", 1)
-        if name.startswith(("epic_rag_store_", "epic_rag_inflight", "epic_rag_chat_completions_total",
-                            "epic_rag_errors_total")):
+        if name.startswith(
+            ("epic_rag_store_", "epic_rag_inflight", "epic_rag_chat_completions_total", "epic_rag_errors_total")
+        ):
             out[name] = float(value)
     return out
 
@@ -167,12 +220,15 @@ def _pick(rng: random.Random, weighted) -> str:
 def percentiles(xs: list[float]) -> dict[str, float | None]:
     if not xs:
         return {"n": 0, "p50": None, "p90": None, "p99": None, "max": None}
-    return {"n": len(xs), **{f"p{round(p * 100)}": round(percentile(xs, p), 4) for p in (0.5, 0.9, 0.99)},
-            "max": round(max(xs), 4), "mean": round(statistics.fmean(xs), 4)}
+    return {
+        "n": len(xs),
+        **{f"p{round(p * 100)}": round(percentile(xs, p), 4) for p in (0.5, 0.9, 0.99)},
+        "max": round(max(xs), 4),
+        "mean": round(statistics.fmean(xs), 4),
+    }
 
 
-async def _one(client, rng: random.Random, questions: list[tuple[str, str, str]], max_tokens: int,
-               t0: float) -> dict:
+async def _one(client, rng: random.Random, questions: list[tuple[str, str, str]], max_tokens: int, t0: float) -> dict:
     import httpx
 
     kind = _pick(rng, KINDS)
@@ -183,8 +239,11 @@ async def _one(client, rng: random.Random, questions: list[tuple[str, str, str]]
             body, needle = rng.choice(BAD)
             r = await client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
             rec["status"] = r.status_code
-            msg = r.json().get("error", {}).get("message", "") if r.headers.get("content-type", "").startswith(
-                "application/json") else ""
+            msg = (
+                r.json().get("error", {}).get("message", "")
+                if r.headers.get("content-type", "").startswith("application/json")
+                else ""
+            )
             ok = 400 <= r.status_code < 500 and needle in msg
             rec["outcome"] = "rejected" if ok else "error"
             if not ok:
@@ -192,8 +251,12 @@ async def _one(client, rng: random.Random, questions: list[tuple[str, str, str]]
             return rec
         _, question, expected = rng.choice(questions)
         rec["policy"] = policy = _pick(rng, POLICIES)
-        body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "policy": policy,
-                "temperature": 0.0}
+        body = {
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": max_tokens,
+            "policy": policy,
+            "temperature": 0.0,
+        }
         if kind == "json":
             r = await client.post("/v1/chat/completions", json=body)
             rec["status"] = r.status_code
@@ -202,8 +265,12 @@ async def _one(client, rng: random.Random, questions: list[tuple[str, str, str]]
                 rec.update(outcome="error", error=f"status {r.status_code}: {r.text[:200]}")
                 return rec
             j = r.json()
-            rec.update(outcome="ok", server_ttft_s=j["epic"]["ttft_s"], tokens=j["usage"]["completion_tokens"],
-                       correct=expected in j["choices"][0]["message"]["content"])
+            rec.update(
+                outcome="ok",
+                server_ttft_s=j["epic"]["ttft_s"],
+                tokens=j["usage"]["completion_tokens"],
+                correct=expected in j["choices"][0]["message"]["content"],
+            )
             return rec
         body.update(stream=True, stream_options={"include_usage": True})
         text, done, final = [], False, None
@@ -229,7 +296,7 @@ async def _one(client, rng: random.Random, questions: list[tuple[str, str, str]]
                         if "ttft_s" not in rec:
                             rec["ttft_s"] = time.perf_counter() - start
                             if kind == "disconnect":
-                                rec["outcome"] = "cancelled"       # leave after the first token
+                                rec["outcome"] = "cancelled"  # leave after the first token
                                 return rec
                         text.append(delta)
                     if ev["choices"][0].get("finish_reason"):
@@ -247,10 +314,20 @@ async def _one(client, rng: random.Random, questions: list[tuple[str, str, str]]
         return rec
 
 
-async def run_load(url: str, key: str, questions: list[tuple[str, str, str]], duration_s: float,
-                   concurrency: int, max_tokens: int = 48, rss: Callable[[], int] | None = None, seed: int = 0,
-                   request_timeout: float = 300.0, rss_every_s: float = 1.0,
-                   probe: Callable[[], dict] | None = None, probe_every_s: float = 5.0) -> dict:
+async def run_load(
+    url: str,
+    key: str,
+    questions: list[tuple[str, str, str]],
+    duration_s: float,
+    concurrency: int,
+    max_tokens: int = 48,
+    rss: Callable[[], int] | None = None,
+    seed: int = 0,
+    request_timeout: float = 300.0,
+    rss_every_s: float = 1.0,
+    probe: Callable[[], dict] | None = None,
+    probe_every_s: float = 5.0,
+) -> dict:
     """Closed-loop load: `concurrency` clients send requests back to back until `duration_s` has passed
     (requests in flight then finish). Returns every request record, the RSS samples and the `probe`
     samples (e.g. the server's store metrics), each with its time."""
@@ -278,8 +355,13 @@ async def run_load(url: str, key: str, questions: list[tuple[str, str, str]], du
                 probes.append((t, {"error": f"{type(e).__name__}: {e}"}))
             await asyncio.sleep(probe_every_s)
 
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, limits=limits,
-                                 timeout=httpx.Timeout(request_timeout, connect=30)) as client:
+    async with httpx.AsyncClient(
+        base_url=url,
+        headers={"Authorization": f"Bearer {key}"},
+        limits=limits,
+        timeout=httpx.Timeout(request_timeout, connect=30),
+    ) as client:
+
         async def worker(w: int):
             rng = random.Random(seed * 1000 + w)
             while time.monotonic() < end:
@@ -304,29 +386,46 @@ def summarize(load: dict, warmup_s: float) -> dict:
     after = [v for t, v in rss if t >= warmup_s] or [v for _, v in rss]
     graded = [r["correct"] for r in ok if "correct" in r]
     out = {
-        "requests": len(recs), "outcomes": dict(outcomes), "statuses": dict(statuses),
+        "requests": len(recs),
+        "outcomes": dict(outcomes),
+        "statuses": dict(statuses),
         "kinds": dict(Counter(r["kind"] for r in recs)),
-        "errors": outcomes.get("error", 0), "error_rate": round(outcomes.get("error", 0) / max(1, len(recs)), 5),
-        "answered_ok": len(ok), "throughput_rps": round(len(ok) / load["wall_s"], 3),
+        "errors": outcomes.get("error", 0),
+        "error_rate": round(outcomes.get("error", 0) / max(1, len(recs)), 5),
+        "answered_ok": len(ok),
+        "throughput_rps": round(len(ok) / load["wall_s"], 3),
         "tokens_per_s": round(sum(r.get("tokens", 0) for r in ok) / load["wall_s"], 2),
         "ttft_client_stream_s": percentiles([r["ttft_s"] for r in streamed]),
         "ttft_server_s": percentiles([r["server_ttft_s"] for r in ok if "server_ttft_s" in r]),
         "latency_s": percentiles([r["latency_s"] for r in ok if "latency_s" in r]),
-        "ttft_by_policy_p50_s": {p: percentiles([r["server_ttft_s"] for r in ok if r.get("policy") == p])["p50"]
-                                 for p in sorted({r.get("policy") for r in ok if r.get("policy")})},
+        "ttft_by_policy_p50_s": {
+            p: percentiles([r["server_ttft_s"] for r in ok if r.get("policy") == p])["p50"]
+            for p in sorted({r.get("policy") for r in ok if r.get("policy")})
+        },
         "answers_with_expected_fact": round(sum(graded) / len(graded), 3) if graded else None,
         "error_examples": [r.get("error") for r in recs if r["outcome"] == "error"][:10],
     }
-    mem = [(t, p['epic_rag_store_bytes{tier="memory"}']) for t, p in load.get("probes", [])
-           if 'epic_rag_store_bytes{tier="memory"}' in p]
+    mem = [
+        (t, p['epic_rag_store_bytes{tier="memory"}'])
+        for t, p in load.get("probes", [])
+        if 'epic_rag_store_bytes{tier="memory"}' in p
+    ]
     if mem:
         warm = [b for t, b in mem if t >= warmup_s] or [mem[-1][1]]
-        out["memory_tier_mib"] = {"after_warmup": _mib(warm[0]), "end": _mib(mem[-1][1]),
-                                  "growth_after_warmup": _mib(mem[-1][1] - warm[0])}
+        out["memory_tier_mib"] = {
+            "after_warmup": _mib(warm[0]),
+            "end": _mib(mem[-1][1]),
+            "growth_after_warmup": _mib(mem[-1][1] - warm[0]),
+        }
     if rss:
-        out["rss_mib"] = {"first": _mib(rss[0][1]), "after_warmup": _mib(after[0]), "peak": _mib(max(v for _, v in rss)),
-                          "end": _mib(rss[-1][1]), "growth_after_warmup": _mib(rss[-1][1] - after[0]),
-                          "max_after_warmup_minus_warm": _mib(max(after) - after[0])}
+        out["rss_mib"] = {
+            "first": _mib(rss[0][1]),
+            "after_warmup": _mib(after[0]),
+            "peak": _mib(max(v for _, v in rss)),
+            "end": _mib(rss[-1][1]),
+            "growth_after_warmup": _mib(rss[-1][1] - after[0]),
+            "max_after_warmup_minus_warm": _mib(max(after) - after[0]),
+        }
     return out
 
 
@@ -339,23 +438,30 @@ def soak_markdown(data: dict) -> str:
     t, ts = s["ttft_client_stream_s"], s["ttft_server_s"]
     r = s.get("rss_mib", {})
     lines = [
-        "# Soak test: `epic-rag demo` under concurrent chats", "",
+        "# Soak test: `epic-rag demo` under concurrent chats",
+        "",
         f"Command: `{data['command']}`  ",
         f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores; {data.get('machine_note', '')}  ",
-        f"Date: {m.get('date', '?')}, commit {m.get('commit', '?')}", "",
+        f"Date: {m.get('date', '?')}, commit {m.get('commit', '?')}",
+        "",
         f"Server: `{' '.join(data['server_cmd'])}` (SmolLM2-135M-Instruct, fp32 on CPU, store "
         f"memory 2 GiB + disk under the data dir); corpus: {c['documents']} generated documents, "
-        f"{c['chunks']} chunks, compiled at start-up in {c['ingest_s']:.0f} s.", "",
+        f"{c['chunks']} chunks, compiled at start-up in {c['ingest_s']:.0f} s.",
+        "",
         f"Load: {c['concurrency']} concurrent clients for {c['duration_s']} s (closed loop), max_tokens "
-        f"{c['max_tokens']}, temperature 0; request mix {c['kinds']}; policies {c['policies']}.", "",
-        "| figure | value |", "|---|---|",
+        f"{c['max_tokens']}, temperature 0; request mix {c['kinds']}; policies {c['policies']}.",
+        "",
+        "| figure | value |",
+        "|---|---|",
         f"| requests | {s['requests']} ({', '.join(f'{k} {v}' for k, v in sorted(s['kinds'].items()))}) |",
         f"| outcomes | {', '.join(f'{k} {v}' for k, v in sorted(s['outcomes'].items()))} |",
         f"| HTTP statuses | {', '.join(f'{k}: {v}' for k, v in sorted(s['statuses'].items()))} |",
-        f"| errors (5xx, SSE error, transport, timeout, broken stream) | {s['errors']} ({100 * s['error_rate']:.2f} %) |",
+        f"| errors (5xx, SSE error, transport, timeout, broken stream) | {s['errors']} "
+        f"({100 * s['error_rate']:.2f} %) |",
         f"| answered requests per second | {s['throughput_rps']} |",
         f"| generated tokens per second (all clients) | {s['tokens_per_s']} |",
-        f"| TTFT seen by streaming clients p50 / p90 / p99 / max | {t['p50']} / {t['p90']} / {t['p99']} / {t['max']} s |",
+        f"| TTFT seen by streaming clients p50 / p90 / p99 / max | "
+        f"{t['p50']} / {t['p90']} / {t['p99']} / {t['max']} s |",
         f"| TTFT measured by the engine p50 / p99 | {ts['p50']} / {ts['p99']} s |",
         f"| end-to-end latency p50 / p99 | {s['latency_s']['p50']} / {s['latency_s']['p99']} s |",
         f"| engine TTFT p50 by policy | {', '.join(f'{k} {v}' for k, v in s['ttft_by_policy_p50_s'].items())} |",
@@ -370,10 +476,14 @@ def soak_markdown(data: dict) -> str:
         ]
     mt = s.get("memory_tier_mib")
     if mt and r:
-        lines.append(f"| chunk KV added to the memory tier after warm-up (explains RSS growth) | "
-                     f"{mt['growth_after_warmup']} MiB ({mt['after_warmup']} -> {mt['end']} MiB) |")
-        lines.append(f"| RSS growth after warm-up not explained by the memory tier | "
-                     f"{round(r['growth_after_warmup'] - mt['growth_after_warmup'], 1)} MiB |")
+        lines.append(
+            f"| chunk KV added to the memory tier after warm-up (explains RSS growth) | "
+            f"{mt['growth_after_warmup']} MiB ({mt['after_warmup']} -> {mt['end']} MiB) |"
+        )
+        lines.append(
+            f"| RSS growth after warm-up not explained by the memory tier | "
+            f"{round(r['growth_after_warmup'] - mt['growth_after_warmup'], 1)} MiB |"
+        )
     st = data.get("metrics_end", {})
     mem = st.get('epic_rag_store_bytes{tier="memory"}')
     entries = int(st.get('epic_rag_store_entries{tier="memory"}', 0))
@@ -405,14 +515,31 @@ def cmd_soak(args) -> int:
     try:
         st = server.wait_ready()
         ingest_s = time.monotonic() - t0
-        print(f"server ready in {ingest_s:.0f} s: {st['chunks']} chunks compiled; load for {args.duration} s", flush=True)
-        def store_metrics() -> dict:
-            return {k: v for k, v in scrape_metrics(server.url, KEY).items()
-                    if k.startswith(("epic_rag_store_bytes", "epic_rag_store_entries", "epic_rag_inflight"))}
+        print(
+            f"server ready in {ingest_s:.0f} s: {st['chunks']} chunks compiled; load for {args.duration} s", flush=True
+        )
 
-        load = asyncio.run(run_load(server.url, KEY, questions, args.duration, args.concurrency, args.max_tokens,
-                                    rss=process_rss(server.proc.pid), seed=args.seed, probe=store_metrics,
-                                    probe_every_s=5.0))
+        def store_metrics() -> dict:
+            return {
+                k: v
+                for k, v in scrape_metrics(server.url, KEY).items()
+                if k.startswith(("epic_rag_store_bytes", "epic_rag_store_entries", "epic_rag_inflight"))
+            }
+
+        load = asyncio.run(
+            run_load(
+                server.url,
+                KEY,
+                questions,
+                args.duration,
+                args.concurrency,
+                args.max_tokens,
+                rss=process_rss(server.proc.pid),
+                seed=args.seed,
+                probe=store_metrics,
+                probe_every_s=5.0,
+            )
+        )
         time.sleep(2.0)
         metrics = scrape_metrics(server.url, KEY)
         inflight = metrics.get("epic_rag_inflight_requests")
@@ -422,14 +549,28 @@ def cmd_soak(args) -> int:
     step = max(1, len(load["rss"]) // 60)
     data = {
         "command": command_line(MODULE),
-        "server_cmd": ["epic-rag"] + server.cmd[1:3] + ["<corpus>", "--data-dir", "<tmp>", "--port", "<free>",
-                                                         "--api-key", "<key>", "--no-browser-needed"],
-        "machine": machine(), "machine_note": note,
-        "config": {"concurrency": args.concurrency, "duration_s": args.duration, "max_tokens": args.max_tokens,
-                   "warmup_s": args.warmup, "seed": args.seed, "documents": len(docs), "chunks": st["chunks"],
-                   "ingest_s": round(ingest_s, 1), "kinds": dict(KINDS), "policies": dict(POLICIES)},
-        "summary": summary, "metrics_end": metrics, "inflight_after": inflight,
-        "rss_timeline": load["rss"][::step], "store_timeline": load["probes"],
+        "server_cmd": ["epic-rag"]
+        + server.cmd[1:3]
+        + ["<corpus>", "--data-dir", "<tmp>", "--port", "<free>", "--api-key", "<key>", "--no-browser-needed"],
+        "machine": machine(),
+        "machine_note": note,
+        "config": {
+            "concurrency": args.concurrency,
+            "duration_s": args.duration,
+            "max_tokens": args.max_tokens,
+            "warmup_s": args.warmup,
+            "seed": args.seed,
+            "documents": len(docs),
+            "chunks": st["chunks"],
+            "ingest_s": round(ingest_s, 1),
+            "kinds": dict(KINDS),
+            "policies": dict(POLICIES),
+        },
+        "summary": summary,
+        "metrics_end": metrics,
+        "inflight_after": inflight,
+        "rss_timeline": load["rss"][::step],
+        "store_timeline": load["probes"],
         "records": load["records"],
     }
     write(Path(args.out), "soak", data, soak_markdown(data))
@@ -443,10 +584,30 @@ FUZZ_MAX_TOKENS = 32
 def fuzz_command(url: str, key: str, max_examples: int, seed: int, report: Path, workers: int = 1) -> list[str]:
     """The `st run` command line, run through this module's `st` command so that the steering hook is
     registered first."""
-    return [sys.executable, "-m", MODULE, "st", "run", f"{url}/openapi.json", "--header",
-            f"Authorization: Bearer {key}", "--checks", "not_a_server_error", "--max-examples", str(max_examples),
-            "--seed", str(seed), "--workers", str(workers), "--request-timeout", "300", "--report", "json",
-            "--report-json-path", str(report)]
+    return [
+        sys.executable,
+        "-m",
+        MODULE,
+        "st",
+        "run",
+        f"{url}/openapi.json",
+        "--header",
+        f"Authorization: Bearer {key}",
+        "--checks",
+        "not_a_server_error",
+        "--max-examples",
+        str(max_examples),
+        "--seed",
+        str(seed),
+        "--workers",
+        str(workers),
+        "--request-timeout",
+        "300",
+        "--report",
+        "json",
+        "--report-json-path",
+        str(report),
+    ]
 
 
 def summarize_fuzz_report(rep: dict) -> dict:
@@ -454,12 +615,19 @@ def summarize_fuzz_report(rep: dict) -> dict:
     tc = rep.get("test_cases", {})
     failures = [f if isinstance(f, (str, int, float)) else json.dumps(f)[:500] for f in rep.get("failures", [])]
     errors = [e if isinstance(e, (str, int, float)) else json.dumps(e)[:500] for e in rep.get("errors", [])]
-    return {"cases": tc.get("generated", 0), "cases_with_failures": tc.get("with_failures", 0),
-            "unique_failures": tc.get("unique_failures", 0), "errored_cases": tc.get("errored", 0),
-            "operations": ops.get("tested", 0), "operations_total": ops.get("total", 0),
-            "failures": failures + errors, "phases": {k: v.get("status") for k, v in rep.get("phases", {}).items()},
-            "valid_rates": rep.get("valid_rates", {}), "running_time_s": round(rep.get("running_time", 0.0), 1),
-            "warnings": {k: v for k, v in rep.get("warnings", {}).items() if v}}
+    return {
+        "cases": tc.get("generated", 0),
+        "cases_with_failures": tc.get("with_failures", 0),
+        "unique_failures": tc.get("unique_failures", 0),
+        "errored_cases": tc.get("errored", 0),
+        "operations": ops.get("tested", 0),
+        "operations_total": ops.get("total", 0),
+        "failures": failures + errors,
+        "phases": {k: v.get("status") for k, v in rep.get("phases", {}).items()},
+        "valid_rates": rep.get("valid_rates", {}),
+        "running_time_s": round(rep.get("running_time", 0.0), 1),
+        "warnings": {k: v for k, v in rep.get("warnings", {}).items() if v},
+    }
 
 
 def register_fuzz_hooks() -> None:
@@ -473,7 +641,7 @@ def register_fuzz_hooks() -> None:
         if op is None or op.path != "/v1/chat/completions" or not isinstance(body, dict):
             return body
         body = dict(body)
-        for k in ("max_tokens", "max_completion_tokens"):     # bounded generation (time, not safety)
+        for k in ("max_tokens", "max_completion_tokens"):  # bounded generation (time, not safety)
             if isinstance(body.get(k), int) and not isinstance(body.get(k), bool) and body[k] > FUZZ_MAX_TOKENS:
                 body[k] = FUZZ_MAX_TOKENS
         if zlib.crc32(repr(sorted(body.items(), key=str)).encode("utf-8", "surrogatepass")) % 3 == 0:
@@ -500,16 +668,20 @@ def cmd_st(args) -> int:
 def fuzz_markdown(data: dict) -> str:
     s = data["summary"]
     lines = [
-        "# Fuzz run: schemathesis against the demo server's OpenAPI schema", "",
+        "# Fuzz run: schemathesis against the demo server's OpenAPI schema",
+        "",
         f"Command: `{data['command']}`  ",
         f"schemathesis command (run by it): `{data['st_command']}`  ",
         f"Machine: {data['machine'].get('cpu', '?')}, {data['machine'].get('cores', '?')} cores; "
-        f"date {data['machine'].get('date', '?')}, commit {data['machine'].get('commit', '?')}", "",
+        f"date {data['machine'].get('date', '?')}, commit {data['machine'].get('commit', '?')}",
+        "",
         f"Server: `epic-rag demo` on 127.0.0.1 (SmolLM2, MiniLM retrieval, API key), corpus of "
         f"{data['documents']} generated documents. Check: `not_a_server_error` (5xx or transport failure). "
         f"Chat bodies: 2 of 3 steered into the engine by the hook in apps/demo/soak.py "
-        f"(max_tokens <= {FUZZ_MAX_TOKENS}).", "",
-        "| figure | value |", "|---|---|",
+        f"(max_tokens <= {FUZZ_MAX_TOKENS}).",
+        "",
+        "| figure | value |",
+        "|---|---|",
         f"| operations tested | {s['operations']} of {s['operations_total']} |",
         f"| test cases generated | {s['cases']} (max {data['max_examples']} examples per operation and phase) |",
         f"| phases | {', '.join(f'{k}: {v}' for k, v in s['phases'].items())} |",
@@ -518,8 +690,11 @@ def fuzz_markdown(data: dict) -> str:
         f"| running time | {s['running_time_s']} s |",
         f"| server alive and answering afterwards | {data['alive_after']} |",
         f"| server RSS before / after | {data['rss_before_mib']} / {data['rss_after_mib']} MiB |",
-        "", "Generated data accepted (2xx) / rejected (4xx) per operation (fuzzing phase):", "",
-        "| operation | accepted | rejected |", "|---|---|---|",
+        "",
+        "Generated data accepted (2xx) / rejected (4xx) per operation (fuzzing phase):",
+        "",
+        "| operation | accepted | rejected |",
+        "|---|---|---|",
     ]
     for op, v in sorted(s["valid_rates"].items()):
         f = v.get("fuzzing", {})
@@ -547,20 +722,37 @@ def cmd_fuzz(args) -> int:
         r = subprocess.run(cmd, cwd=work, text=True, capture_output=True)
         print(r.stdout[-6000:], flush=True)
         h = {"Authorization": f"Bearer {KEY}"}
-        ok = httpx.post(server.url + "/v1/chat/completions", headers=h, timeout=120, json={
-            "messages": [{"role": "user", "content": "What is the access code of the Aldmoor bridge?"}],
-            "max_tokens": 8}).status_code == 200
+        ok = (
+            httpx.post(
+                server.url + "/v1/chat/completions",
+                headers=h,
+                timeout=120,
+                json={
+                    "messages": [{"role": "user", "content": "What is the access code of the Aldmoor bridge?"}],
+                    "max_tokens": 8,
+                },
+            ).status_code
+            == 200
+        )
         alive = ok and server.proc.poll() is None
         rss_after = rss()
     finally:
         server.stop()
     rep = json.loads(report.read_text())
-    data = {"command": command_line(MODULE),
-            "st_command": " ".join([".venv/bin/python"] + cmd[1:]).replace(KEY, "<key>").replace(
-                server.url, "http://127.0.0.1:<port>"),
-            "machine": machine(), "documents": len(docs), "max_examples": args.max_examples, "exit_code": r.returncode,
-            "alive_after": alive, "rss_before_mib": _mib(rss_before), "rss_after_mib": _mib(rss_after),
-            "summary": summarize_fuzz_report(rep)}
+    data = {
+        "command": command_line(MODULE),
+        "st_command": " ".join([".venv/bin/python"] + cmd[1:])
+        .replace(KEY, "<key>")
+        .replace(server.url, "http://127.0.0.1:<port>"),
+        "machine": machine(),
+        "documents": len(docs),
+        "max_examples": args.max_examples,
+        "exit_code": r.returncode,
+        "alive_after": alive,
+        "rss_before_mib": _mib(rss_before),
+        "rss_after_mib": _mib(rss_after),
+        "summary": summarize_fuzz_report(rep),
+    }
     write(Path(args.out), "fuzz", data, fuzz_markdown(data))
     return 0 if (r.returncode == 0 and alive) else 1
 
@@ -579,12 +771,17 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("fuzz", help="schemathesis against epic-rag demo's OpenAPI schema")
     f.add_argument("--max-examples", type=int, default=100)
     f.add_argument("--seed", type=int, default=1)
-    f.add_argument("--workers", type=int, default=1,
-                   help="schemathesis workers (default 1: with 2, CPython 3.11 ast.parse races inside hypothesis)")
+    f.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="schemathesis workers (default 1: with 2, CPython 3.11 ast.parse races inside hypothesis)",
+    )
     f.add_argument("--out", default=str(DEFAULT_OUT))
     f.set_defaults(func=cmd_fuzz)
-    t = sub.add_parser("st", add_help=False, help="schemathesis' st command line with the fuzz run's steering hook "
-                                                  "(what fuzz runs)")
+    t = sub.add_parser(
+        "st", add_help=False, help="schemathesis' st command line with the fuzz run's steering hook (what fuzz runs)"
+    )
     t.add_argument("st_args", nargs=argparse.REMAINDER)
     t.set_defaults(func=cmd_st)
     args = p.parse_args(argv)

@@ -1,4 +1,5 @@
 """Accuracy runner: every policy on the same prompts, temperature 0, resumable from its JSONL file."""
+
 from __future__ import annotations
 
 import json
@@ -23,13 +24,15 @@ def sample_segments(tokenizer, s: Sample) -> list:
 
 def build_samples(tokenizer, quick: bool = False) -> list[Sample]:
     if quick:
-        return needle_samples(tokenizer, lengths=(512,), depths=(0.5,), per_cell=1, chunk_tokens=128) + \
-            multidoc_samples(tokenizer, n=1, ctx_tokens=512, chunk_tokens=128)
+        return needle_samples(
+            tokenizer, lengths=(512,), depths=(0.5,), per_cell=1, chunk_tokens=128
+        ) + multidoc_samples(tokenizer, n=1, ctx_tokens=512, chunk_tokens=128)
     return needle_samples(tokenizer) + multidoc_samples(tokenizer)
 
 
-def run_accuracy(engine, samples: list[Sample], policies: list[str], out: Path, max_tokens: int = 24,
-                 progress: bool = True) -> list[dict]:
+def run_accuracy(
+    engine, samples: list[Sample], policies: list[str], out: Path, max_tokens: int = 24, progress: bool = True
+) -> list[dict]:
     """Generate every (sample, policy) not yet in `out` (JSONL), append each result as it comes."""
     from tqdm import tqdm
 
@@ -49,15 +52,25 @@ def run_accuracy(engine, samples: list[Sample], policies: list[str], out: Path, 
             pols = [p for p in policies if (s.id, p) not in done]
             if not pols:
                 continue
-            compile_for(engine, list(s.chunks), pols)   # outside the timed generations, as a corpus would be
+            compile_for(engine, list(s.chunks), pols)  # outside the timed generations, as a corpus would be
             segs = sample_segments(engine.tokenizer, s)
             for p in pols:
                 g = engine.generate(segs, max_tokens=max_tokens, temperature=0.0, policy=p)
                 pred = first_line(g.text)
-                r = {"id": s.id, "task": s.task, "policy": p, "meta": s.meta, "answer": s.answer,
-                     "prediction": g.text, "substring": substring_match(pred, s.answer),
-                     "f1": token_f1(pred, s.answer), "rouge_l": rouge_l(pred, s.answer), "ttft_s": g.ttft_s,
-                     "prompt_tokens": g.prompt_tokens, "recomputed_tokens": g.recomputed_tokens}
+                r = {
+                    "id": s.id,
+                    "task": s.task,
+                    "policy": p,
+                    "meta": s.meta,
+                    "answer": s.answer,
+                    "prediction": g.text,
+                    "substring": substring_match(pred, s.answer),
+                    "f1": token_f1(pred, s.answer),
+                    "rouge_l": rouge_l(pred, s.answer),
+                    "ttft_s": g.ttft_s,
+                    "prompt_tokens": g.prompt_tokens,
+                    "recomputed_tokens": g.recomputed_tokens,
+                }
                 f.write(json.dumps(r) + "\n")
                 f.flush()
                 rows.append(r)
@@ -75,12 +88,15 @@ def summarize(rows: list[dict], policies: list[str]) -> list[dict]:
         rs = by.get(p, [])
         if not rs:
             continue
-        row = {"policy": p, "n": len(rs),
-               "substring_acc": 100 * statistics.mean(r["substring"] for r in rs),
-               "f1": 100 * statistics.mean(r["f1"] for r in rs),
-               "rouge_l": 100 * statistics.mean(r["rouge_l"] for r in rs),
-               "ttft_median_s": statistics.median(r["ttft_s"] for r in rs),
-               "recomputed_median": statistics.median(r["recomputed_tokens"] for r in rs)}
+        row = {
+            "policy": p,
+            "n": len(rs),
+            "substring_acc": 100 * statistics.mean(r["substring"] for r in rs),
+            "f1": 100 * statistics.mean(r["f1"] for r in rs),
+            "rouge_l": 100 * statistics.mean(r["rouge_l"] for r in rs),
+            "ttft_median_s": statistics.median(r["ttft_s"] for r in rs),
+            "recomputed_median": statistics.median(r["recomputed_tokens"] for r in rs),
+        }
         for task in sorted({r["task"] for r in rs}):
             t = [r for r in rs if r["task"] == task]
             row[f"{task}_substring_acc"] = 100 * statistics.mean(r["substring"] for r in t)

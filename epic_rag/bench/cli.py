@@ -4,6 +4,7 @@ Every part writes `<out>/<part>.json` and Markdown into `--out` (default docs/be
 store.md for those two; the comparisons (accuracy, sync, async, scaling) one report, README.md, with
 meta.json (model, machine, the commands that made them) and plots.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,10 +13,23 @@ from pathlib import Path
 from .common import DEFAULT_OUT
 
 PARTS = ["link", "store", "accuracy", "sync", "async", "scaling"]
-REPORTED = {"accuracy", "sync", "async", "scaling"}      # the parts docs/bench/README.md reports
-QUICK = dict(contexts=(256, 512), chunk_tokens=128, reps=1, rates=(0.5,), n_requests=2, pool_size=4,
-             counts=(2, 4), scaling_chunk_tokens=64, link_chunks=2, link_chunk_tokens=64, link_rounds=1,
-             store_chunk_tokens=64, loads=2, compiles=1)
+REPORTED = {"accuracy", "sync", "async", "scaling"}  # the parts docs/bench/README.md reports
+QUICK = dict(
+    contexts=(256, 512),
+    chunk_tokens=128,
+    reps=1,
+    rates=(0.5,),
+    n_requests=2,
+    pool_size=4,
+    counts=(2, 4),
+    scaling_chunk_tokens=64,
+    link_chunks=2,
+    link_chunk_tokens=64,
+    link_rounds=1,
+    store_chunk_tokens=64,
+    loads=2,
+    compiles=1,
+)
 
 
 def run(args: argparse.Namespace, engine=None) -> Path:
@@ -33,8 +47,11 @@ def run(args: argparse.Namespace, engine=None) -> Path:
     parts = PARTS if what == "all" else [what]
     own = engine is None
     if own:
-        size = dict(max_model_len=2048, kv_cache_gib=1, max_num_seqs=4) if what == "store" else \
-            dict(max_model_len=8192, kv_cache_gib=4)
+        size = (
+            dict(max_model_len=2048, kv_cache_gib=1, max_num_seqs=4)
+            if what == "store"
+            else dict(max_model_len=8192, kv_cache_gib=4)
+        )
         engine = EpicEngine(EngineConfig(model=args.model, dtype="float32", **size))
     model = f"{args.model} ({engine.dtype}, vLLM CPU)" if own else str(engine.model_dir)
     q = args.quick
@@ -47,29 +64,59 @@ def run(args: argparse.Namespace, engine=None) -> Path:
             meta["commands"].append(command_line())
         save_json(out, "meta", meta)
     if "link" in parts:
-        link.run(engine, out, model, chunks=QUICK["link_chunks"] if q else args.chunks,
-                 chunk_tokens=QUICK["link_chunk_tokens"] if q else args.chunk_tokens,
-                 reps=QUICK["reps"] if q else args.reps or 5, policies=pols,
-                 rounds=QUICK["link_rounds"] if q else 3, progress=progress)
+        link.run(
+            engine,
+            out,
+            model,
+            chunks=QUICK["link_chunks"] if q else args.chunks,
+            chunk_tokens=QUICK["link_chunk_tokens"] if q else args.chunk_tokens,
+            reps=QUICK["reps"] if q else args.reps or 5,
+            policies=pols,
+            rounds=QUICK["link_rounds"] if q else 3,
+            progress=progress,
+        )
     if "store" in parts:
-        store.run(engine, out, model, loads=QUICK["loads"] if q else args.loads,
-                  compiles=QUICK["compiles"] if q else args.compiles,
-                  chunk_tokens=QUICK["store_chunk_tokens"] if q else args.chunk_tokens, release=own and what == "store")
+        store.run(
+            engine,
+            out,
+            model,
+            loads=QUICK["loads"] if q else args.loads,
+            compiles=QUICK["compiles"] if q else args.compiles,
+            chunk_tokens=QUICK["store_chunk_tokens"] if q else args.chunk_tokens,
+            release=own and what == "store",
+        )
     if "accuracy" in parts:
         samples = A.build_samples(engine.tokenizer, quick=q)
         apols = pols or L.COMPARED_POLICIES
-        rows = A.run_accuracy(engine, samples, apols, out / "accuracy_rows.jsonl", max_tokens=args.max_tokens,
-                              progress=progress)
-        save_json(out, "accuracy", {"n_samples": len(samples), "max_tokens": args.max_tokens,
-                                    "summary": A.summarize(rows, apols)})
+        rows = A.run_accuracy(
+            engine, samples, apols, out / "accuracy_rows.jsonl", max_tokens=args.max_tokens, progress=progress
+        )
+        save_json(
+            out,
+            "accuracy",
+            {"n_samples": len(samples), "max_tokens": args.max_tokens, "summary": A.summarize(rows, apols)},
+        )
     if "sync" in parts:
-        rows = L.sync_latency(engine, contexts=QUICK["contexts"] if q else (1024, 2048, 4096, 7168),
-                              chunk_tokens=QUICK["chunk_tokens"] if q else 512, policies=pols or L.COMPARED_POLICIES,
-                              reps=QUICK["reps"] if q else args.reps or 3, progress=progress)
+        rows = L.sync_latency(
+            engine,
+            contexts=QUICK["contexts"] if q else (1024, 2048, 4096, 7168),
+            chunk_tokens=QUICK["chunk_tokens"] if q else 512,
+            policies=pols or L.COMPARED_POLICIES,
+            reps=QUICK["reps"] if q else args.reps or 3,
+            progress=progress,
+        )
         save_json(out, "sync", rows)
     if "async" in parts:
-        kw = dict(rates=QUICK["rates"], n_requests=QUICK["n_requests"], pool_size=QUICK["pool_size"],
-                  chunk_tokens=QUICK["chunk_tokens"]) if q else {}
+        kw = (
+            dict(
+                rates=QUICK["rates"],
+                n_requests=QUICK["n_requests"],
+                pool_size=QUICK["pool_size"],
+                chunk_tokens=QUICK["chunk_tokens"],
+            )
+            if q
+            else {}
+        )
         rows = L.async_load(engine, policies=tuple(pols or L.LOAD_POLICIES), progress=progress, **kw)
         save_json(out, "async", rows)
     if "scaling" in parts:
@@ -83,8 +130,13 @@ def run(args: argparse.Namespace, engine=None) -> Path:
 
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
-    b.add_argument("what", choices=[*PARTS, "all", "report"], nargs="?", default="all",
-                   help="all: every part; report: rewrite README.md from the results in --out")
+    b.add_argument(
+        "what",
+        choices=[*PARTS, "all", "report"],
+        nargs="?",
+        default="all",
+        help="all: every part; report: rewrite README.md from the results in --out",
+    )
     b.add_argument("--quick", action="store_true", help="tiny settings: a smoke test of the harness")
     b.add_argument("--out", default=str(DEFAULT_OUT), help=f"results folder (default {DEFAULT_OUT})")
     b.add_argument("--model", default="smollm2-135m-instruct")
@@ -99,13 +151,15 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    b = sub.add_parser("bench", help="link, store, latency, throughput, scaling and accuracy benchmarks "
-                                     "(EPIC's comparisons)")
+    b = sub.add_parser(
+        "bench", help="link, store, latency, throughput, scaling and accuracy benchmarks (EPIC's comparisons)"
+    )
     add_arguments(b)
 
     def _run(args):
         if args.what == "report":
             from .report import write_report
+
             print(write_report(Path(args.out)))
         else:
             print(run(args))

@@ -1,6 +1,7 @@
 """What every benchmark shares: machine facts and the command line for the record, result files
 (`<out>/<name>.json` + `<out>/<name>.md`), medians and percentiles, the pydoc text chunks the timings run
 on, and compiling chunks outside the timed runs."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -27,8 +28,13 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu,
-            "cores": os.cpu_count(), "python": platform.python_version(), "commit": commit}
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "commit": commit,
+    }
 
 
 def command_line(module: str | None = None) -> str:
@@ -62,8 +68,9 @@ def write(out: Path, name: str, data: dict, markdown: str) -> Path:
 
 def table(columns: list[str], rows: list[list]) -> list[str]:
     """A Markdown table, one line per row."""
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + \
-        ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + [
+        "| " + " | ".join(str(c) for c in row) + " |" for row in rows
+    ]
 
 
 # ---------------------------------------------------------------------- statistics
@@ -91,7 +98,7 @@ def corpus_chunks(tokenizer, n: int, chunk_tokens: int, offset: int = 0) -> list
     need = (offset + n) * chunk_tokens
     if need > len(ids):
         raise ValueError(f"corpus has {len(ids)} tokens, {need} needed")
-    return [tokenizer.decode(ids[(offset + i) * chunk_tokens:(offset + i + 1) * chunk_tokens]) for i in range(n)]
+    return [tokenizer.decode(ids[(offset + i) * chunk_tokens : (offset + i + 1) * chunk_tokens]) for i in range(n)]
 
 
 def compile_for(engine, chunks: list[str], policies) -> None:

@@ -1,4 +1,5 @@
 """Latency benchmarks: synchronous TTFT per context length, open-loop async load, chunk-count scaling."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,14 +11,24 @@ from ..types import RagRequest
 from .common import compile_for, corpus_chunks, median, percentile
 
 # EPIC's comparison: every policy in the accuracy and synchronous tables; the load tests keep four.
-COMPARED_POLICIES = ["full", "prefix", "naive", "cacheblend-5", "cacheblend-15", "legolink-0", "legolink-2",
-                     "legolink-16", "legolink-32"]
+COMPARED_POLICIES = [
+    "full",
+    "prefix",
+    "naive",
+    "cacheblend-5",
+    "cacheblend-15",
+    "legolink-0",
+    "legolink-2",
+    "legolink-16",
+    "legolink-32",
+]
 LOAD_POLICIES = ("full", "naive", "cacheblend-15", "legolink-16")
 QUESTION = "Which function in these documents serializes an object to a JSON formatted string?"
 
 
-def sync_latency(engine, contexts=(1024, 2048, 4096, 7168), chunk_tokens=512, policies=COMPARED_POLICIES,
-                 reps=3, progress=True) -> list[dict]:
+def sync_latency(
+    engine, contexts=(1024, 2048, 4096, 7168), chunk_tokens=512, policies=COMPARED_POLICIES, reps=3, progress=True
+) -> list[dict]:
     """TTFT per policy and context; prompts identical across policies (chunk order shuffled per rep)."""
     from tqdm import tqdm
 
@@ -31,28 +42,42 @@ def sync_latency(engine, contexts=(1024, 2048, 4096, 7168), chunk_tokens=512, po
         orders = [rng.sample(chunks, n) for _ in range(reps)]
         samples = {p: [] for p in policies}
         info = {}
-        for p in policies:                      # warm-up (prefix: warms its cache with the unshuffled order)
+        for p in policies:  # warm-up (prefix: warms its cache with the unshuffled order)
             engine.generate(RagRequest(question=QUESTION, chunks=chunks), max_tokens=1, policy=p)
             bar.update(1)
         for order in orders:
             for p in policies:
                 g = engine.generate(RagRequest(question=QUESTION, chunks=order), max_tokens=1, policy=p)
                 samples[p].append(g.ttft_s)
-                info[p] = {"prompt_tokens": g.prompt_tokens, "recomputed_tokens": g.recomputed_tokens,
-                           "linked_tokens": g.linked_tokens}
+                info[p] = {
+                    "prompt_tokens": g.prompt_tokens,
+                    "recomputed_tokens": g.recomputed_tokens,
+                    "linked_tokens": g.linked_tokens,
+                }
                 bar.update(1)
         full = median(samples.get("full", []))
         for p in policies:
             m = median(samples[p])
-            rows.append({"context": ctx, "chunks": n, "policy": p, "ttft_median_s": m,
-                         "ttft_min_s": min(samples[p]), "ttft_max_s": max(samples[p]),
-                         "ratio_to_full": m / full, **info[p], "samples": samples[p]})
+            rows.append(
+                {
+                    "context": ctx,
+                    "chunks": n,
+                    "policy": p,
+                    "ttft_median_s": m,
+                    "ttft_min_s": min(samples[p]),
+                    "ttft_max_s": max(samples[p]),
+                    "ratio_to_full": m / full,
+                    **info[p],
+                    "samples": samples[p],
+                }
+            )
     bar.close()
     return rows
 
 
-async def _open_loop(engine, policy: str, rate: float, n_requests: int, pool: list[str], k: int, seed: int,
-                     max_tokens: int) -> dict:
+async def _open_loop(
+    engine, policy: str, rate: float, n_requests: int, pool: list[str], k: int, seed: int, max_tokens: int
+) -> dict:
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     for _ in range(n_requests):
@@ -66,22 +91,40 @@ async def _open_loop(engine, policy: str, rate: float, n_requests: int, pool: li
         nonlocal errors
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
         try:
-            g = await engine.agenerate(RagRequest(question=QUESTION, chunks=chunks), max_tokens=max_tokens,
-                                       policy=policy)
+            g = await engine.agenerate(
+                RagRequest(question=QUESTION, chunks=chunks), max_tokens=max_tokens, policy=policy
+            )
             ttfts.append(g.ttft_s)
         except Exception:
             errors += 1
 
     await asyncio.gather(*[one(at, rng.sample(pool, k)) for at in arrivals])
     wall = time.perf_counter() - start
-    return {"policy": policy, "rate": rate, "requests": n_requests, "completed": len(ttfts), "errors": errors,
-            "throughput_rps": len(ttfts) / wall, "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p90_s": percentile(ttfts, 0.9),
-            "ttft_p99_s": percentile(ttfts, 0.99), "wall_s": wall}
+    return {
+        "policy": policy,
+        "rate": rate,
+        "requests": n_requests,
+        "completed": len(ttfts),
+        "errors": errors,
+        "throughput_rps": len(ttfts) / wall,
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p90_s": percentile(ttfts, 0.9),
+        "ttft_p99_s": percentile(ttfts, 0.99),
+        "wall_s": wall,
+    }
 
 
-def async_load(engine, rates=(0.25, 0.5, 1.0, 2.0), policies=LOAD_POLICIES,
-               n_requests=12, pool_size=12, chunks_per_request=4, chunk_tokens=512, max_tokens=8,
-               progress=True) -> list[dict]:
+def async_load(
+    engine,
+    rates=(0.25, 0.5, 1.0, 2.0),
+    policies=LOAD_POLICIES,
+    n_requests=12,
+    pool_size=12,
+    chunks_per_request=4,
+    chunk_tokens=512,
+    max_tokens=8,
+    progress=True,
+) -> list[dict]:
     """Poisson arrivals at each rate; each request draws chunks from a shared pool (all compiled up front,
     as a corpus is); stops raising the rate for a policy once it saturates (throughput < 70% of rate)."""
     from tqdm import tqdm
@@ -92,8 +135,9 @@ def async_load(engine, rates=(0.25, 0.5, 1.0, 2.0), policies=LOAD_POLICIES,
     bar = tqdm(total=len(rates) * len(policies), desc="async load", disable=not progress)
     for p in policies:
         for i, rate in enumerate(rates):
-            r = asyncio.run(_open_loop(engine, p, rate, n_requests, pool, chunks_per_request, seed=i,
-                                       max_tokens=max_tokens))
+            r = asyncio.run(
+                _open_loop(engine, p, rate, n_requests, pool, chunks_per_request, seed=i, max_tokens=max_tokens)
+            )
             rows.append(r)
             bar.update(1)
             if r["throughput_rps"] < 0.7 * rate:
@@ -103,8 +147,9 @@ def async_load(engine, rates=(0.25, 0.5, 1.0, 2.0), policies=LOAD_POLICIES,
     return rows
 
 
-def scaling(engine, counts=(4, 8, 16, 32), chunk_tokens=224, policies=LOAD_POLICIES, reps=2,
-            progress=True) -> list[dict]:
+def scaling(
+    engine, counts=(4, 8, 16, 32), chunk_tokens=224, policies=LOAD_POLICIES, reps=2, progress=True
+) -> list[dict]:
     """TTFT and memory against the number of chunks (224-token chunks keep 32 of them, with the template,
     inside SmolLM2's 8192-token window)."""
     from tqdm import tqdm
@@ -121,13 +166,28 @@ def scaling(engine, counts=(4, 8, 16, 32), chunk_tokens=224, policies=LOAD_POLIC
             for _ in range(reps):
                 g = engine.generate(RagRequest(question=QUESTION, chunks=chunks), max_tokens=1, policy=p)
                 ts.append(g.ttft_s)
-            rows.append({"chunks": n, "context": g.prompt_tokens, "policy": p, "ttft_median_s": median(ts),
-                         "recomputed_tokens": g.recomputed_tokens,
-                         "linker_workspace_mb": (2 * 4 * g.prompt_tokens * engine.kv_info["num_layers"]
-                                                 * engine.kv_info["num_kv_heads"] * engine.kv_info["head_size"]
-                                                 / 2**20) if p != "full" and p != "prefix" else 0.0,
-                         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                         "peak_rss_growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024})
+            rows.append(
+                {
+                    "chunks": n,
+                    "context": g.prompt_tokens,
+                    "policy": p,
+                    "ttft_median_s": median(ts),
+                    "recomputed_tokens": g.recomputed_tokens,
+                    "linker_workspace_mb": (
+                        2
+                        * 4
+                        * g.prompt_tokens
+                        * engine.kv_info["num_layers"]
+                        * engine.kv_info["num_kv_heads"]
+                        * engine.kv_info["head_size"]
+                        / 2**20
+                    )
+                    if p != "full" and p != "prefix"
+                    else 0.0,
+                    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                    "peak_rss_growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
+                }
+            )
             bar.update(1)
     bar.close()
     return rows

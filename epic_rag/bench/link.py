@@ -6,6 +6,7 @@ vLLM's plain prefill throughput on the same number of tokens.
 
 Results: <out>/link.json and <out>/link.md.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,20 +41,43 @@ def throughput(engine, n: int, chunk_tokens: int, rounds: int = 3) -> tuple[list
     return compile_tps, prefill_tps
 
 
-def run(engine, out: Path, model: str, chunks: int = 8, chunk_tokens: int = 512, reps: int = 5,
-        policies=None, rounds: int = 3, progress: bool = True) -> dict:
+def run(
+    engine,
+    out: Path,
+    model: str,
+    chunks: int = 8,
+    chunk_tokens: int = 512,
+    reps: int = 5,
+    policies=None,
+    rounds: int = 3,
+    progress: bool = True,
+) -> dict:
     policies = list(policies or COMPARED_POLICIES)
     n, T = chunks, chunk_tokens
     compile_tps, prefill_tps = throughput(engine, n, T, rounds)
     sync = sync_latency(engine, contexts=(n * T,), chunk_tokens=T, policies=policies, reps=reps, progress=progress)
-    rows = [{"policy": r["policy"], "ttft_median_s": round(r["ttft_median_s"], 4),
-             "ttft_min_s": round(r["ttft_min_s"], 4), "ttft_max_s": round(r["ttft_max_s"], 4),
-             "ratio_to_full": round(r["ratio_to_full"], 4), "prompt_tokens": r["prompt_tokens"],
-             "recomputed_tokens": r["recomputed_tokens"], "linked_tokens": r["linked_tokens"]} for r in sync]
+    rows = [
+        {
+            "policy": r["policy"],
+            "ttft_median_s": round(r["ttft_median_s"], 4),
+            "ttft_min_s": round(r["ttft_min_s"], 4),
+            "ttft_max_s": round(r["ttft_max_s"], 4),
+            "ratio_to_full": round(r["ratio_to_full"], 4),
+            "prompt_tokens": r["prompt_tokens"],
+            "recomputed_tokens": r["recomputed_tokens"],
+            "linked_tokens": r["linked_tokens"],
+        }
+        for r in sync
+    ]
     by = {r["policy"]: r for r in rows}
     data = {
-        "command": command_line(), "machine": machine(), "model": model,
-        "chunks": n, "chunk_tokens": T, "reps": reps, "ttft": rows,
+        "command": command_line(),
+        "machine": machine(),
+        "model": model,
+        "chunks": n,
+        "chunk_tokens": T,
+        "reps": reps,
+        "ttft": rows,
         "ttft_samples": {r["policy"]: r["samples"] for r in sync},
         "compile_tokens_per_s_median": round(median(compile_tps), 1),
         "plain_prefill_tokens_per_s_median": round(median(prefill_tps), 1),
@@ -66,22 +90,45 @@ def run(engine, out: Path, model: str, chunks: int = 8, chunk_tokens: int = 512,
         targets = [
             ("legolink-16 TTFT <= 1/8 of full", f"{ll / full:.3f}", ll / full <= 1 / 8),
             ("legolink-16 TTFT <= 1.5x naive", f"{ll / nv:.2f}x", ll / nv <= 1.5),
-            ("compile throughput >= 0.8x plain prefill", f"{data['compile_vs_prefill']:.2f}x",
-             data["compile_vs_prefill"] >= 0.8),
+            (
+                "compile throughput >= 0.8x plain prefill",
+                f"{data['compile_vs_prefill']:.2f}x",
+                data["compile_vs_prefill"] >= 0.8,
+            ),
         ]
     data["targets"] = [{"target": t, "measured": m, "met": ok} for t, m, ok in targets]
     mc = data["machine"]
-    md = [f"# Link benchmark: {n} chunks x {T} tokens + question ({model})", "",
-          f"Command: `{data['command']}`  ", f"Machine: {mc['cpu']}, {mc['cores']} cores; "
-          f"date {mc['date']}; commit {mc['commit']}  ",
-          f"Medians over {reps} prompts (chunk order shuffled per prompt, same prompts for every policy), "
-          "max_tokens=1, policies interleaved.", ""]
-    md += table(["policy", "TTFT median (s)", "min", "max", "ratio to full", "prompt tokens", "recomputed", "linked"],
-                [[r["policy"], f"{r['ttft_median_s']:.3f}", f"{r['ttft_min_s']:.3f}", f"{r['ttft_max_s']:.3f}",
-                  f"{r['ratio_to_full']:.3f}", r["prompt_tokens"], r["recomputed_tokens"], r["linked_tokens"]]
-                 for r in rows])
-    md += ["", f"Compile throughput: {data['compile_tokens_per_s_median']} tok/s; plain vLLM prefill of the same "
-           f"token count: {data['plain_prefill_tokens_per_s_median']} tok/s; ratio {data['compile_vs_prefill']}.", ""]
+    md = [
+        f"# Link benchmark: {n} chunks x {T} tokens + question ({model})",
+        "",
+        f"Command: `{data['command']}`  ",
+        f"Machine: {mc['cpu']}, {mc['cores']} cores; date {mc['date']}; commit {mc['commit']}  ",
+        f"Medians over {reps} prompts (chunk order shuffled per prompt, same prompts for every policy), "
+        "max_tokens=1, policies interleaved.",
+        "",
+    ]
+    md += table(
+        ["policy", "TTFT median (s)", "min", "max", "ratio to full", "prompt tokens", "recomputed", "linked"],
+        [
+            [
+                r["policy"],
+                f"{r['ttft_median_s']:.3f}",
+                f"{r['ttft_min_s']:.3f}",
+                f"{r['ttft_max_s']:.3f}",
+                f"{r['ratio_to_full']:.3f}",
+                r["prompt_tokens"],
+                r["recomputed_tokens"],
+                r["linked_tokens"],
+            ]
+            for r in rows
+        ],
+    )
+    md += [
+        "",
+        f"Compile throughput: {data['compile_tokens_per_s_median']} tok/s; plain vLLM prefill of the same "
+        f"token count: {data['plain_prefill_tokens_per_s_median']} tok/s; ratio {data['compile_vs_prefill']}.",
+        "",
+    ]
     if targets:
         md += table(["target", "measured", "met"], [[t, m, "yes" if ok else "NO"] for t, m, ok in targets])
     write(out, "link", data, "\n".join(md) + "\n")

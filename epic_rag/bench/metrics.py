@@ -1,4 +1,5 @@
 """Answer scores: substring accuracy, LongBench-style token F1, Rouge-L."""
+
 from __future__ import annotations
 
 import re

@@ -8,6 +8,7 @@ and is read `--loads` times (every load checks the checksum, key, dtype and shap
 "disk cold" drops the entry's pages from the page cache (posix_fadvise DONTNEED) before every load.
 Redis is a local redis-server (no persistence) on 127.0.0.1. Results: <out>/store.json and <out>/store.md.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,9 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def run(engine, out: Path, model: str, loads: int = 20, compiles: int = 5, chunk_tokens: int = 512,
-        release: bool = False) -> dict:
+def run(
+    engine, out: Path, model: str, loads: int = 20, compiles: int = 5, chunk_tokens: int = 512, release: bool = False
+) -> dict:
     """`release`: shut the engine down once the chunk is compiled, so that it is gone while the tiers are
     timed (for an engine made for this benchmark alone)."""
     import torch
@@ -52,8 +54,14 @@ def run(engine, out: Path, model: str, loads: int = 20, compiles: int = 5, chunk
         compile_s.append(time.perf_counter() - t0)
     kv = engine.store.get(refs[0].key)
     L, n_tok, H, D = kv.k.shape
-    info = {"layers": L, "tokens": n_tok, "kv_heads": H, "head_dim": D,
-            "dtype": str(kv.k.dtype).removeprefix("torch."), "kv_bytes": kv.nbytes}
+    info = {
+        "layers": L,
+        "tokens": n_tok,
+        "kv_heads": H,
+        "head_dim": D,
+        "dtype": str(kv.k.dtype).removeprefix("torch."),
+        "kv_bytes": kv.nbytes,
+    }
     print(f"compiled {n_tok}-token chunks: median {median(compile_s):.3f}s; KV {kv.nbytes / 2**20:.1f} MiB", flush=True)
     if release:
         engine.shutdown()
@@ -93,43 +101,90 @@ def run(engine, out: Path, model: str, loads: int = 20, compiles: int = 5, chunk
                 assert torch.equal(got.k, kv.k) and torch.equal(got.v, kv.v)
                 err = {"k_rel_err": 0.0, "v_rel_err": 0.0}
             else:
-                err = {f"{t}_rel_err": float((getattr(got, t).float() - getattr(kv, t).float()).norm()
-                                             / getattr(kv, t).float().norm()) for t in ("k", "v")}
-            rows.append({"tier": name, "spec": spec.replace(tmp, "$TMP"), "load_s_median": median(ls),
-                         "load_s_min": min(ls), "load_s_max": max(ls), "put_s": put_s,
-                         "bytes": size, "bytes_per_token": size / n_tok,
-                         "speedup_vs_compile": median(compile_s) / median(ls), **err})
+                err = {
+                    f"{t}_rel_err": float(
+                        (getattr(got, t).float() - getattr(kv, t).float()).norm() / getattr(kv, t).float().norm()
+                    )
+                    for t in ("k", "v")
+                }
+            rows.append(
+                {
+                    "tier": name,
+                    "spec": spec.replace(tmp, "$TMP"),
+                    "load_s_median": median(ls),
+                    "load_s_min": min(ls),
+                    "load_s_max": max(ls),
+                    "put_s": put_s,
+                    "bytes": size,
+                    "bytes_per_token": size / n_tok,
+                    "speedup_vs_compile": median(compile_s) / median(ls),
+                    **err,
+                }
+            )
             print(f"{name:24s} load {median(ls) * 1e3:8.2f} ms  {size / n_tok:8.0f} B/token", flush=True)
             if isinstance(store, DiskStore) or "redis" in name:
                 store.clear()
             store.close()
         load_after = os.getloadavg()
 
-    data = {"command": command_line(), "machine": machine(), "model": model, "chunk": info,
-            "loadavg_1m_before": load_before[0], "loadavg_1m_after": load_after[0],
-            "loads_per_tier": loads, "compile_s_median": median(compile_s), "compile_s": compile_s,
-            "tiers": rows}
+    data = {
+        "command": command_line(),
+        "machine": machine(),
+        "model": model,
+        "chunk": info,
+        "loadavg_1m_before": load_before[0],
+        "loadavg_1m_after": load_after[0],
+        "loads_per_tier": loads,
+        "compile_s_median": median(compile_s),
+        "compile_s": compile_s,
+        "tiers": rows,
+    }
     m = data["machine"]
-    md = [f"# Store benchmark: one {n_tok}-token chunk ({model}; {info['dtype']} KV, {L} layers x {H} KV heads "
-          f"x {D})",
-          "",
-          f"Command: `{data['command']}`  ",
-          f"Machine: {m['cpu']}, nproc {m['cores']}; date {m['date']}; commit {m['commit']}; "
-          f"1-min load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (machine shared)  ",
-          f"Medians over {loads} loads per tier, tiers interleaved round by round (each load verifies the sha256 "
-          "checksum, key, dtype and shape;",
-          f"int8 loads also dequantize to {info['dtype']}). Compile: median of "
-          f"{compiles} fresh chunks through `engine.compile` = **{median(compile_s):.3f} s** "
-          f"(min {min(compile_s):.3f}, max {max(compile_s):.3f}).",
-          ""]
-    md += table(["tier", "load median (ms)", "min", "max", "compile / load", "bytes per token", "KV rel. error (K / V)",
-                 "put (ms)"],
-                [[r["tier"], f"{r['load_s_median'] * 1e3:.2f}", f"{r['load_s_min'] * 1e3:.2f}",
-                  f"{r['load_s_max'] * 1e3:.2f}", f"{r['speedup_vs_compile']:.0f}x", f"{r['bytes_per_token']:.0f}",
-                  f"{r['k_rel_err']:.4f} / {r['v_rel_err']:.4f}", f"{r['put_s'] * 1e3:.1f}"] for r in rows])
-    md += ["", f"Exact KV is {info['kv_bytes'] / n_tok:.0f} B/token in memory ({info['dtype']}); files and Redis "
-           "values add the safetensors header and token ids. The memory tier returns the stored object (no copy, "
-           "no check); \"page cache\" disk loads read a file the OS already caches, \"cold\" ones read it from the "
-           "device. Machine shared with other jobs: timings are noisy; compare ratios.", ""]
+    md = [
+        f"# Store benchmark: one {n_tok}-token chunk ({model}; {info['dtype']} KV, {L} layers x {H} KV heads x {D})",
+        "",
+        f"Command: `{data['command']}`  ",
+        f"Machine: {m['cpu']}, nproc {m['cores']}; date {m['date']}; commit {m['commit']}; "
+        f"1-min load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (machine shared)  ",
+        f"Medians over {loads} loads per tier, tiers interleaved round by round (each load verifies the sha256 "
+        "checksum, key, dtype and shape;",
+        f"int8 loads also dequantize to {info['dtype']}). Compile: median of "
+        f"{compiles} fresh chunks through `engine.compile` = **{median(compile_s):.3f} s** "
+        f"(min {min(compile_s):.3f}, max {max(compile_s):.3f}).",
+        "",
+    ]
+    md += table(
+        [
+            "tier",
+            "load median (ms)",
+            "min",
+            "max",
+            "compile / load",
+            "bytes per token",
+            "KV rel. error (K / V)",
+            "put (ms)",
+        ],
+        [
+            [
+                r["tier"],
+                f"{r['load_s_median'] * 1e3:.2f}",
+                f"{r['load_s_min'] * 1e3:.2f}",
+                f"{r['load_s_max'] * 1e3:.2f}",
+                f"{r['speedup_vs_compile']:.0f}x",
+                f"{r['bytes_per_token']:.0f}",
+                f"{r['k_rel_err']:.4f} / {r['v_rel_err']:.4f}",
+                f"{r['put_s'] * 1e3:.1f}",
+            ]
+            for r in rows
+        ],
+    )
+    md += [
+        "",
+        f"Exact KV is {info['kv_bytes'] / n_tok:.0f} B/token in memory ({info['dtype']}); files and Redis "
+        "values add the safetensors header and token ids. The memory tier returns the stored object (no copy, "
+        'no check); "page cache" disk loads read a file the OS already caches, "cold" ones read it from the '
+        "device. Machine shared with other jobs: timings are noisy; compare ratios.",
+        "",
+    ]
     write(out, "store", data, "\n".join(md))
     return data

@@ -5,6 +5,7 @@ tokens it recomputed or why it failed) and a Capture (buffers a compile request'
 The engine runs vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so both are passed by reference on the
 Board, and only their ids travel through vLLM's request params (kv_transfer_params).
 """
+
 from __future__ import annotations
 
 import threading
@@ -19,7 +20,7 @@ from ..store import ChunkKV
 
 @dataclass(slots=True)
 class LinkSpan:
-    start: int          # first prompt position of the chunk
+    start: int  # first prompt position of the chunk
     kv: ChunkKV
     exact: bool = False  # KV already exact here (a leading prefix compiled at position 0): never recomputed
 
@@ -29,10 +30,10 @@ class LinkJob:
     """Everything the worker needs to link one request (held in-process, referenced by job_id)."""
 
     job_id: str
-    token_ids: list[int]           # prompt[:claim]
+    token_ids: list[int]  # prompt[:claim]
     spans: list[LinkSpan]
     policy: Policy
-    recomputed: int = 0            # filled by the linker: tokens recomputed in the last layer
+    recomputed: int = 0  # filled by the linker: tokens recomputed in the last layer
     error: str | None = None
 
     @classmethod
@@ -51,9 +52,9 @@ class LinkJob:
         cached = torch.zeros(T, dtype=torch.bool)
         head = torch.zeros(T, dtype=torch.bool)
         for s in self.spans:
-            cached[s.start: s.start + s.kv.num_tokens] = True
+            cached[s.start : s.start + s.kv.num_tokens] = True
             if self.policy.kind == "legolink" and not s.exact:
-                head[s.start: s.start + min(self.policy.k, s.kv.num_tokens)] = True
+                head[s.start : s.start + min(self.policy.k, s.kv.num_tokens)] = True
         if self.policy.kind == "cacheblend":
             return torch.arange(T)
         return torch.nonzero(~cached | head).flatten()
@@ -64,8 +65,8 @@ class LinkJob:
         cached = torch.zeros(T, dtype=torch.bool)
         candidate = torch.zeros(T, dtype=torch.bool)
         for s in self.spans:
-            cached[s.start: s.start + s.kv.num_tokens] = True
-            candidate[s.start: s.start + s.kv.num_tokens] = not s.exact
+            cached[s.start : s.start + s.kv.num_tokens] = True
+            candidate[s.start : s.start + s.kv.num_tokens] = not s.exact
         return cached, candidate
 
 
@@ -75,7 +76,7 @@ class Capture:
 
     k: torch.Tensor
     v: torch.Tensor
-    filled_to: int = 0          # prompt positions captured so far
+    filled_to: int = 0  # prompt positions captured so far
     error: str | None = None
 
 
@@ -116,4 +117,3 @@ class Board:
 
 
 BOARD = Board()
-

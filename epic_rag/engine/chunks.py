@@ -5,6 +5,7 @@ Compile = a chunk submitted to vLLM from position 0 behind its sink token (polic
 step, and the record ([sink] + chunk) is stored. Many callers wanting the same missing chunk compile it once.
 The glue before a prompt's first chunk is compiled bare ("plain": it sits at position 0 in the prompt too).
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,15 +27,16 @@ from .runtime import Runtime
 
 log = logging.getLogger(__name__)
 
-MIN_EXACT_PREFIX = 8        # shorter leading glue is simply recomputed
+MIN_EXACT_PREFIX = 8  # shorter leading glue is simply recomputed
 TOKEN_INDEX_SIZE = 100_000  # chunk key -> token ids remembered, so `full` never loads KV to read tokens
 
 
 class ChunkResolver:
     """Tokens and KV of chunks for one engine (model, tokenizer and KV dtype fixed by `fingerprint`)."""
 
-    def __init__(self, store: ChunkStore, runtime: Runtime, tokenizer, fingerprint: str, kv_info: dict,
-                 max_model_len: int) -> None:
+    def __init__(
+        self, store: ChunkStore, runtime: Runtime, tokenizer, fingerprint: str, kv_info: dict, max_model_len: int
+    ) -> None:
         self.store, self.runtime, self.tokenizer = store, runtime, tokenizer
         self.fingerprint, self.kv_info, self.max_model_len = fingerprint, kv_info, max_model_len
         bos = tokenizer.bos_token_id
@@ -88,13 +90,12 @@ class ChunkResolver:
         # An existence check, not a load: re-compiling a stored corpus must not read all its KV back.
         missing = [(tk, CHUNK_VARIANT) for tk, key in zip(toks, keys) if not self.store.contains(key)]
         for i in range(0, len(missing), batch_size):
-            self.resolve(missing[i: i + batch_size])
+            self.resolve(missing[i : i + batch_size])
         for key, tk in zip(keys, toks):
             self.remember(key, tk)
         return [ChunkRef(key, len(tk), t) for key, tk, t in zip(keys, toks, texts)]
 
-    def link_spans(self, token_ids: list[int], chunks: list[PlacedChunk],
-                   policy: Policy) -> tuple[list[LinkSpan], int]:
+    def link_spans(self, token_ids: list[int], chunks: list[PlacedChunk], policy: Policy) -> tuple[list[LinkSpan], int]:
         """The spans a request links under `policy`, compiling what is missing; and how many chunks were
         compiled here (misses)."""
         wanted = [(c.token_ids, CHUNK_VARIANT) for c in chunks]
@@ -110,8 +111,9 @@ class ChunkResolver:
             spans.insert(0, LinkSpan(0, prefix_kv, exact=True))
         return spans, misses
 
-    def resolve(self, wanted: list[tuple[list[int], str]],
-                known: dict[str, ChunkKV] | None = None) -> tuple[list[ChunkKV], int]:
+    def resolve(
+        self, wanted: list[tuple[list[int], str]], known: dict[str, ChunkKV] | None = None
+    ) -> tuple[list[ChunkKV], int]:
         """Every chunk's KV (from `known`, already loaded, or the store), compiling the missing ones in one
         vLLM batch (single flight). Returns the KVs in order and how many were compiled here."""
         results: list[ChunkKV | None] = [None] * len(wanted)
@@ -144,13 +146,17 @@ class ChunkResolver:
         try:
             for key, (fut, tokens, variant) in todo.items():
                 prompt = ([self.sink_token] * SINK_LEN if variant == CHUNK_VARIANT else []) + tokens
-                cap = Capture(k=torch.empty((L, len(prompt), H, D), dtype=kv_dtype),
-                              v=torch.empty((L, len(prompt), H, D), dtype=kv_dtype))
+                cap = Capture(
+                    k=torch.empty((L, len(prompt), H, D), dtype=kv_dtype),
+                    v=torch.empty((L, len(prompt), H, D), dtype=kv_dtype),
+                )
                 cap_id = uuid.uuid4().hex
                 BOARD.post_capture(cap_id, cap)
                 ev = threading.Event()
                 done.append((key, cap_id, cap, prompt, fut, ev))
-                self.runtime.submit_tokens(prompt, event_sink(ev), max_tokens=1, kv_params={"epic": {"capture": cap_id}})
+                self.runtime.submit_tokens(
+                    prompt, event_sink(ev), max_tokens=1, kv_params={"epic": {"capture": cap_id}}
+                )
             for key, cap_id, cap, prompt, fut, ev in done:
                 ev.wait()
                 BOARD.pop_capture(cap_id)
@@ -181,10 +187,12 @@ class ChunkResolver:
 
 def event_sink(ev: threading.Event) -> Callable:
     """A runtime sink that only signals the request's end (or its error, as `ev.error`)."""
+
     def sink(d):
         if isinstance(d, BaseException):
             ev.error = f"{type(d).__name__}: {d}"  # type: ignore[attr-defined]
             ev.set()
         elif d.finished:
             ev.set()
+
     return sink

@@ -11,6 +11,7 @@ what they decide reaches the worker only through the EpicMeta they build. Worker
 - A request carrying {"epic": {"capture": cap_id}} is a compile: `wait_for_save` copies its freshly
   computed KV out of the paged cache after the forward.
 """
+
 from __future__ import annotations
 
 import logging
@@ -97,8 +98,11 @@ class EpicConnector(KVConnectorBase_V1):
         if p is None:
             return
         self._active[request.request_id] = _ReqState(
-            params=p, num_prompt=len(request.prompt_token_ids or []), n_ext=num_external_tokens,
-            load_pending=num_external_tokens > 0)
+            params=p,
+            num_prompt=len(request.prompt_token_ids or []),
+            n_ext=num_external_tokens,
+            load_pending=num_external_tokens > 0,
+        )
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         """Scheduler, once per step after scheduling: the loads (links, once per request) and captures
@@ -112,8 +116,7 @@ class EpicConnector(KVConnectorBase_V1):
                 continue
             block_ids = vllm_api.block_ids_of(self._kvm, req_id)
             if st.load_pending:
-                meta.loads.append(LoadSpec(req_id, st.params["link"], block_ids,
-                                           num_computed - st.n_ext, num_computed))
+                meta.loads.append(LoadSpec(req_id, st.params["link"], block_ids, num_computed - st.n_ext, num_computed))
                 st.load_pending = False
             if "capture" in st.params:
                 n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
@@ -142,22 +145,30 @@ class EpicConnector(KVConnectorBase_V1):
         first_layer = vllm_api.decoder_layers(model)[0]
         rotary = vllm_api.rotary_of(first_layer)
         if rotary is None:
-            raise rope.RopeError(f"{type(model).__name__} has no rotary embedding: position-independent "
-                                 "linking needs RoPE")
+            raise rope.RopeError(
+                f"{type(model).__name__} has no rotary embedding: position-independent linking needs RoPE"
+            )
         _, _, attn = vllm_api.find_attention(first_layer)
         layout = layout_for(attn)
         cache = self.kv_caches[attn.layer_name]
         layout.self_check(cache)
         rotator = rope.KeyRotator(rotary)
         rope.self_check(rotator, rotary, attn.head_size, attn.num_kv_heads, cache.dtype)
-        linker = Linker(model=model, kv_caches=self.kv_caches, layout=layout, rotator=rotator,
-                        block_size=self.block_size)
+        linker = Linker(
+            model=model, kv_caches=self.kv_caches, layout=layout, rotator=rotator, block_size=self.block_size
+        )
         if any(getattr(a.impl, "sliding_window", None) not in (None, -1, (-1, -1)) for _, _, a in linker.attn):
             raise RuntimeError("sliding-window attention drops tokens from chunk KV: not supported")
         self.linker = linker
-        return {"layout": layout.name, "rope": type(rotary).__name__, "kv_dtype": str(cache.dtype),
-                "block_size": self.block_size, "num_layers": len(linker.layers),
-                "num_kv_heads": attn.num_kv_heads, "head_size": attn.head_size}
+        return {
+            "layout": layout.name,
+            "rope": type(rotary).__name__,
+            "kv_dtype": str(cache.dtype),
+            "block_size": self.block_size,
+            "num_layers": len(linker.layers),
+            "num_kv_heads": attn.num_kv_heads,
+            "head_size": attn.head_size,
+        }
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Worker, before the step's forward: link every request in this step's loads (writes their
@@ -168,7 +179,7 @@ class EpicConnector(KVConnectorBase_V1):
             return
         for load in meta.loads:
             job = BOARD.job(load.job_id)
-            if job is None:   # the caller dropped it (cancelled); no one reads this request's output
+            if job is None:  # the caller dropped it (cancelled); no one reads this request's output
                 log.error("link job %s for %s is gone; its pages were not filled", load.job_id, load.req_id)
                 continue
             try:

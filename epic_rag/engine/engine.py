@@ -1,4 +1,5 @@
 """EpicEngine: compile chunks once, link them in any order, generate (sync, streaming, async)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,9 @@ class EpicEngine:
         self.max_model_len = config.max_model_len
         self.text_index = ChunkTextIndex()  # compiled chunk texts, found again inside rendered prompts
         self.runtime = Runtime(self._llm)
-        fp = kv_fingerprint(model_fingerprint(self.model_dir), tokenizer_fingerprint(self.tokenizer),
-                            self.kv_info["kv_dtype"])
+        fp = kv_fingerprint(
+            model_fingerprint(self.model_dir), tokenizer_fingerprint(self.tokenizer), self.kv_info["kv_dtype"]
+        )
         self.chunks = ChunkResolver(store, self.runtime, self.tokenizer, fp, self.kv_info, self.max_model_len)
         self.runtime.start()
 
@@ -77,8 +79,14 @@ class EpicEngine:
         text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
         return self.text_index.split(text)
 
-    def prepare(self, request: Request, max_tokens: int = 64, temperature: float = 0.0, policy: str | None = None,
-                stop: list[str] | None = None) -> PreparedRequest:
+    def prepare(
+        self,
+        request: Request,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        policy: str | None = None,
+        stop: list[str] | None = None,
+    ) -> PreparedRequest:
         """Validate and tokenize a request once (no chunk is compiled or loaded yet). Raises ValueError for
         bad input, e.g. a prompt that does not fit the context window. A PreparedRequest is returned as is."""
         if isinstance(request, PreparedRequest):
@@ -88,16 +96,25 @@ class EpicEngine:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if not isinstance(temperature, (int, float)) or not 0.0 <= float(temperature) <= 5.0:
             raise ValueError(f"temperature must be a number in [0, 5], got {temperature!r}")
-        if stop is not None and not isinstance(stop, str) and (
-                not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
+        if (
+            stop is not None
+            and not isinstance(stop, str)
+            and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop))
+        ):
             raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         segments = to_segments(self.tokenizer, self.text_index, request)
         sink = [self.chunks.sink_token] * SINK_LEN if pol.keeps_sink else []
-        prompt = assemble(segments, lambda s: encode_text(self.tokenizer, s), self.chunks.place, self.max_model_len,
-                          sink)
-        return PreparedRequest(prompt.token_ids, prompt.chunks, pol,
-                               min(max_tokens, self.max_model_len - len(prompt.token_ids)), float(temperature),
-                               [stop] if isinstance(stop, str) else stop)
+        prompt = assemble(
+            segments, lambda s: encode_text(self.tokenizer, s), self.chunks.place, self.max_model_len, sink
+        )
+        return PreparedRequest(
+            prompt.token_ids,
+            prompt.chunks,
+            pol,
+            min(max_tokens, self.max_model_len - len(prompt.token_ids)),
+            float(temperature),
+            [stop] if isinstance(stop, str) else stop,
+        )
 
     # ------------------------------------------------------------------ generation
     def _start(self, request: Request, sink, **kw) -> _Run:
@@ -111,32 +128,49 @@ class EpicEngine:
             job, claim = LinkJob.for_prompt(prep.token_ids, spans, pol)
             BOARD.post_job(job)
             kv_params = {"epic": {"link": job.job_id, "claim": claim}}
-        salt = "epic-prefix" if pol.kind == "prefix" else uuid.uuid4().hex   # linked KV never reused as exact
+        salt = "epic-prefix" if pol.kind == "prefix" else uuid.uuid4().hex  # linked KV never reused as exact
         try:
-            req_id = self.runtime.submit_tokens(prep.token_ids, sink, max_tokens=prep.max_tokens,
-                                                temperature=prep.temperature, salt=salt, kv_params=kv_params,
-                                                stop=prep.stop)
+            req_id = self.runtime.submit_tokens(
+                prep.token_ids,
+                sink,
+                max_tokens=prep.max_tokens,
+                temperature=prep.temperature,
+                salt=salt,
+                kv_params=kv_params,
+                stop=prep.stop,
+            )
         except BaseException:
             if job:
                 BOARD.drop_job(job.job_id)
             raise
         return _Run(self.runtime, req_id, prep, job, t0, hits, misses, keys)
 
-    def stream_events(self, request: Request, max_tokens: int = 64, temperature: float = 0.0,
-                      policy: str | None = None, stop: list[str] | None = None) -> Iterator[Delta | Generation]:
+    def stream_events(
+        self,
+        request: Request,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        policy: str | None = None,
+        stop: list[str] | None = None,
+    ) -> Iterator[Delta | Generation]:
         """Yield each text delta as it is produced, then the final Generation."""
         box: queue.SimpleQueue = queue.SimpleQueue()
-        run = self._start(request, box.put, max_tokens=max_tokens, temperature=temperature, policy=policy,
-                          stop=stop)
+        run = self._start(request, box.put, max_tokens=max_tokens, temperature=temperature, policy=policy, stop=stop)
         try:
             while not run.done:
                 yield from run.consume(box.get())
-        except BaseException:   # includes GeneratorExit: the consumer went away
+        except BaseException:  # includes GeneratorExit: the consumer went away
             run.cancel()
             raise
 
-    async def astream_events(self, request: Request, max_tokens: int = 64, temperature: float = 0.0,
-                             policy: str | None = None, stop: list[str] | None = None):
+    async def astream_events(
+        self,
+        request: Request,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        policy: str | None = None,
+        stop: list[str] | None = None,
+    ):
         """Async form of stream_events: deltas, then the Generation. Cancelling aborts the request."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -146,8 +180,11 @@ class EpicEngine:
 
         # Setup may compile chunks (blocking): run it off the event loop. If the caller is cancelled
         # meanwhile, the request that setup submits is aborted as soon as it exists.
-        setup = asyncio.ensure_future(asyncio.to_thread(self._start, request, sink, max_tokens=max_tokens,
-                                                        temperature=temperature, policy=policy, stop=stop))
+        setup = asyncio.ensure_future(
+            asyncio.to_thread(
+                self._start, request, sink, max_tokens=max_tokens, temperature=temperature, policy=policy, stop=stop
+            )
+        )
         try:
             run = await asyncio.shield(setup)
         except asyncio.CancelledError:
@@ -157,31 +194,55 @@ class EpicEngine:
             while not run.done:
                 for ev in run.consume(await q.get()):
                     yield ev
-        except BaseException:   # includes cancellation: the client went away
+        except BaseException:  # includes cancellation: the client went away
             run.cancel()
             raise
 
-    def generate(self, request: Request, max_tokens: int = 64, temperature: float = 0.0,
-                 policy: str | None = None, stop: list[str] | None = None) -> Generation:
+    def generate(
+        self,
+        request: Request,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        policy: str | None = None,
+        stop: list[str] | None = None,
+    ) -> Generation:
         """Answer one request; `policy` overrides the engine default for this request."""
         return _last(self.stream_events(request, max_tokens, temperature, policy, stop))
 
-    def stream(self, request: Request, max_tokens: int = 64, temperature: float = 0.0, policy: str | None = None,
-               stop: list[str] | None = None) -> Iterator[str]:
+    def stream(
+        self,
+        request: Request,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        policy: str | None = None,
+        stop: list[str] | None = None,
+    ) -> Iterator[str]:
         """Yield text deltas."""
         for ev in self.stream_events(request, max_tokens, temperature, policy, stop):
             if isinstance(ev, Delta):
                 yield ev.text
 
-    async def agenerate(self, request: Request, max_tokens: int = 64, temperature: float = 0.0,
-                        policy: str | None = None, stop: list[str] | None = None) -> Generation:
+    async def agenerate(
+        self,
+        request: Request,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        policy: str | None = None,
+        stop: list[str] | None = None,
+    ) -> Generation:
         async for ev in self.astream_events(request, max_tokens, temperature, policy, stop):
             if isinstance(ev, Generation):
                 return ev
         raise RuntimeError("generation ended without a result")
 
-    async def astream(self, request: Request, max_tokens: int = 64, temperature: float = 0.0,
-                      policy: str | None = None, stop: list[str] | None = None) -> AsyncIterator[str]:
+    async def astream(
+        self,
+        request: Request,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        policy: str | None = None,
+        stop: list[str] | None = None,
+    ) -> AsyncIterator[str]:
         async for ev in self.astream_events(request, max_tokens, temperature, policy, stop):
             if isinstance(ev, Delta):
                 yield ev.text
@@ -247,10 +308,20 @@ class _Run:
                 raise RuntimeError(f"linking failed, answer discarded: {job.error}")
             recomputed = job.recomputed + (n - len(job.token_ids))
         else:
-            recomputed = n - (self.cached or 0)   # `prefix`: vLLM's own prefix-cache hits are not recomputed
+            recomputed = n - (self.cached or 0)  # `prefix`: vLLM's own prefix-cache hits are not recomputed
         now = time.perf_counter()
-        return Generation(text="".join(self.text), token_ids=self.token_ids, ttft_s=(self.t_first or now) - self.t0,
-                          total_s=now - self.t0, prompt_tokens=n, linked_tokens=n - recomputed,
-                          recomputed_tokens=recomputed, chunk_hits=self.hits, chunk_misses=self.misses,
-                          policy=self.prep.policy.name, finish_reason=self.finish, chunk_keys=self.chunk_keys,
-                          prefix_cached_tokens=0 if job is not None else (self.cached or 0))
+        return Generation(
+            text="".join(self.text),
+            token_ids=self.token_ids,
+            ttft_s=(self.t_first or now) - self.t0,
+            total_s=now - self.t0,
+            prompt_tokens=n,
+            linked_tokens=n - recomputed,
+            recomputed_tokens=recomputed,
+            chunk_hits=self.hits,
+            chunk_misses=self.misses,
+            policy=self.prep.policy.name,
+            finish_reason=self.finish,
+            chunk_keys=self.chunk_keys,
+            prefix_cached_tokens=0 if job is not None else (self.cached or 0),
+        )

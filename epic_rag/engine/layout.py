@@ -15,6 +15,7 @@ vLLM hands each attention layer one cache tensor with the logical shape [B, H, N
 
 A token at position t of a request lives in slot block_ids[t // N] * N + t % N.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -46,20 +47,23 @@ class KVLayout(ABC):
     def read(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return copies of k, v: [n, H, D] at slots: [n]."""
 
-    def write_range(self, cache: torch.Tensor, block_ids: list[int], start: int, end: int,
-                    k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_range(
+        self, cache: torch.Tensor, block_ids: list[int], start: int, end: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """Store k, v: [end-start, H, D] for request positions [start, end). Mutates `cache`."""
         self.write(cache, slots_for(block_ids, torch.arange(start, end), cache.shape[2]).to(cache.device), k, v)
 
-    def read_range_into(self, cache: torch.Tensor, block_ids: list[int], start: int, end: int,
-                        k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+    def read_range_into(
+        self, cache: torch.Tensor, block_ids: list[int], start: int, end: int, k_out: torch.Tensor, v_out: torch.Tensor
+    ) -> None:
         """Copy k, v of request positions [start, end) into k_out, v_out: [end-start, H, D]."""
         k, v = self.read(cache, slots_for(block_ids, torch.arange(start, end), cache.shape[2]).to(cache.device))
         k_out.copy_(k)
         v_out.copy_(v)
 
-    def read_range(self, cache: torch.Tensor, block_ids: list[int], start: int,
-                   end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_range(
+        self, cache: torch.Tensor, block_ids: list[int], start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of k, v: [end-start, H, D] for request positions [start, end)."""
         _, H, _, C = cache.shape
         k = torch.empty((end - start, H, C // 2), dtype=cache.dtype, device=cache.device)
@@ -67,14 +71,22 @@ class KVLayout(ABC):
         self.read_range_into(cache, block_ids, start, end, k, v)
         return k, v
 
-    def attention_plan(self, cache: torch.Tensor, block_ids: list[int], R: torch.Tensor, start: int, end: int,
-                       attn: torch.nn.Module) -> object | None:
+    def attention_plan(
+        self, cache: torch.Tensor, block_ids: list[int], R: torch.Tensor, start: int, end: int, attn: torch.nn.Module
+    ) -> object | None:
         """Metadata to attend the queries at positions R over a request's pages with the backend's own
         kernel, or None where this layout has no such path (the linker then attends over its buffers)."""
         return None
 
-    def attend(self, plan: object, attn: torch.nn.Module, cache: torch.Tensor, q: torch.Tensor,
-               k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        plan: object,
+        attn: torch.nn.Module,
+        cache: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
         """Store k, v at R's slots, then attend q over the pages (see `attention_plan`).  # -> [nR, Hq*D]"""
         raise NotImplementedError
 
@@ -89,8 +101,10 @@ class KVLayout(ABC):
         self.write(scratch, slots, k, v)
         rk, rv = self.read(scratch, slots)
         if not (torch.equal(rk, k) and torch.equal(rv, v)):
-            raise LayoutError(f"KV layout {self.name} failed its read-back self-check for "
-                              f"dtype {like.dtype}, H={H}, N={N}, D={C // 2}: refusing to serve linked KV")
+            raise LayoutError(
+                f"KV layout {self.name} failed its read-back self-check for "
+                f"dtype {like.dtype}, H={H}, N={N}, D={C // 2}: refusing to serve linked KV"
+            )
         if scratch[0].abs().sum() != 0:
             raise LayoutError(f"KV layout {self.name} wrote outside the addressed blocks")
 
@@ -101,10 +115,10 @@ class CpuAttnPlan:
     "sequence" of the kernel with keys [0, b), so the kernel's bottom-right causal mask is exactly the
     linked prompt's mask. All runs share the request's block table."""
 
-    slots: torch.Tensor              # [nR] int64
-    query_start_loc: torch.Tensor    # [runs + 1] int32
-    seq_lens: torch.Tensor           # [runs] int32
-    block_table: torch.Tensor        # [runs, nblocks] int32
+    slots: torch.Tensor  # [nR] int64
+    query_start_loc: torch.Tensor  # [runs + 1] int32
+    seq_lens: torch.Tensor  # [runs] int32
+    block_table: torch.Tensor  # [runs, nblocks] int32
     scheduler_metadata: torch.Tensor
 
 
@@ -118,8 +132,10 @@ class CpuAttnLayout(KVLayout):
 
     def __init__(self, isa: str) -> None:
         if isa not in self.READABLE_ISAS:
-            raise LayoutError(f"CPU attention ISA {isa!r} packs KV in a way epic_rag cannot read yet "
-                              f"(supported: {', '.join(self.READABLE_ISAS)})")
+            raise LayoutError(
+                f"CPU attention ISA {isa!r} packs KV in a way epic_rag cannot read yet "
+                f"(supported: {', '.join(self.READABLE_ISAS)})"
+            )
         self.isa = isa
         self.name = f"cpu_attn/{isa}"
 
@@ -128,14 +144,23 @@ class CpuAttnLayout(KVLayout):
         B, H, N, C = cache.shape
         D = C // 2
         flat = cache.view(B, H, 2 * N * D)
-        return flat[:, :, : N * D].view(B, H, D, N), flat[:, :, N * D:].view(B, H, N, D)
+        return flat[:, :, : N * D].view(B, H, D, N), flat[:, :, N * D :].view(B, H, N, D)
 
     def write(self, cache, slots, k, v) -> None:
         ops = vllm_api.cpu_ops()
         B, H, N, C = cache.shape
         kc, vc = cache.view(B, H, 2 * N, C // 2).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous(), kc, vc,
-                                       slots.to(torch.int64), self.isa, 1.0, 1.0, "auto")
+        ops.cpu_attn_reshape_and_cache(
+            k.to(cache.dtype).contiguous(),
+            v.to(cache.dtype).contiguous(),
+            kc,
+            vc,
+            slots.to(torch.int64),
+            self.isa,
+            1.0,
+            1.0,
+            "auto",
+        )
 
     # Whole blocks are copied one block at a time with strided views: an indexed gather/scatter over
     # all blocks at once was ~8x slower (measured); partial blocks at either end go through vLLM's op.
@@ -150,24 +175,24 @@ class CpuAttnLayout(KVLayout):
     def write_range(self, cache, block_ids, start, end, k, v) -> None:
         edges, first, last = self._split(start, end, cache.shape[2])
         for a, b in edges:
-            super().write_range(cache, block_ids, a, b, k[a - start: b - start], v[a - start: b - start])
+            super().write_range(cache, block_ids, a, b, k[a - start : b - start], v[a - start : b - start])
         kview, vview = self._views(cache)
         N = cache.shape[2]
         for j in range(first, last):
             t = j * N - start
-            kview[block_ids[j]].copy_(k[t: t + N].permute(1, 2, 0))     # K blocks are [H, D, N]
-            vview[block_ids[j]].copy_(v[t: t + N].permute(1, 0, 2))     # V blocks are [H, N, D]
+            kview[block_ids[j]].copy_(k[t : t + N].permute(1, 2, 0))  # K blocks are [H, D, N]
+            vview[block_ids[j]].copy_(v[t : t + N].permute(1, 0, 2))  # V blocks are [H, N, D]
 
     def read_range_into(self, cache, block_ids, start, end, k_out, v_out) -> None:
         edges, first, last = self._split(start, end, cache.shape[2])
         for a, b in edges:
-            super().read_range_into(cache, block_ids, a, b, k_out[a - start: b - start], v_out[a - start: b - start])
+            super().read_range_into(cache, block_ids, a, b, k_out[a - start : b - start], v_out[a - start : b - start])
         kview, vview = self._views(cache)
         N = cache.shape[2]
         for j in range(first, last):
             t = j * N - start
-            k_out[t: t + N].copy_(kview[block_ids[j]].permute(2, 0, 1))   # [H, D, N] -> [N, H, D]
-            v_out[t: t + N].copy_(vview[block_ids[j]].permute(1, 0, 2))   # [H, N, D] -> [N, H, D]
+            k_out[t : t + N].copy_(kview[block_ids[j]].permute(2, 0, 1))  # [H, D, N] -> [N, H, D]
+            v_out[t : t + N].copy_(vview[block_ids[j]].permute(1, 0, 2))  # [H, N, D] -> [N, H, D]
 
     def self_check(self, like: torch.Tensor) -> None:
         super().self_check(like)
@@ -191,7 +216,7 @@ class CpuAttnLayout(KVLayout):
         if len(R) == 0 or int(R[0]) < start or int(R[-1]) >= end:
             return None
         brk = torch.nonzero(R[1:] != R[:-1] + 1).flatten().add(1)
-        ends = torch.cat([brk, torch.tensor([len(R)], device=R.device)])               # [runs]
+        ends = torch.cat([brk, torch.tensor([len(R)], device=R.device)])  # [runs]
         if len(ends) > self.MAX_KERNEL_RUNS:
             return None
         qsl = torch.cat([torch.zeros(1, dtype=torch.int32), ends.to(torch.int32).cpu()])
@@ -200,9 +225,18 @@ class CpuAttnLayout(KVLayout):
         nblk = -(-int(seq_lens[-1]) // N)
         bt = torch.as_tensor(block_ids[:nblk], dtype=torch.int32).expand(len(ends), nblk).contiguous()
         sched = vllm_api.cpu_ops().cpu_attn_get_scheduler_metadata(
-            num_reqs=len(ends), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_size, seq_lens=seq_lens, dtype=cache.dtype, query_start_loc=qsl, causal=True,
-            sliding_window_size=-1, isa=self.isa, enable_kv_split=vllm_api.cpu_attn_split_kv())
+            num_reqs=len(ends),
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_size,
+            seq_lens=seq_lens,
+            dtype=cache.dtype,
+            query_start_loc=qsl,
+            causal=True,
+            sliding_window_size=-1,
+            isa=self.isa,
+            enable_kv_split=vllm_api.cpu_attn_split_kv(),
+        )
         return CpuAttnPlan(slots_for(block_ids, R.cpu(), N), qsl, seq_lens, bt, sched)
 
     def attend(self, plan, attn, cache, q, k, v):
@@ -210,22 +244,42 @@ class CpuAttnLayout(KVLayout):
         impl = attn.impl
         B, H, N, C = cache.shape
         kc, vc = cache.view(B, H, 2 * N, C // 2).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k.reshape(-1, H, C // 2).contiguous(), v.reshape(-1, H, C // 2).contiguous(),
-                                       kc, vc, plan.slots, self.isa, 1.0, 1.0, "auto")
+        ops.cpu_attn_reshape_and_cache(
+            k.reshape(-1, H, C // 2).contiguous(),
+            v.reshape(-1, H, C // 2).contiguous(),
+            kc,
+            vc,
+            plan.slots,
+            self.isa,
+            1.0,
+            1.0,
+            "auto",
+        )
         q = q.reshape(len(plan.slots), attn.num_heads, attn.head_size).contiguous()
         out = torch.empty_like(q)
         ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=plan.query_start_loc,
-            seq_lens=plan.seq_lens, scale=impl.scale, causal=True, alibi_slopes=impl.alibi_slopes,
-            sliding_window=-1, block_table=plan.block_table, softcap=impl.logits_soft_cap,
-            scheduler_metadata=plan.scheduler_metadata, s_aux=impl.sinks)
+            query=q,
+            key_cache=kc,
+            value_cache=vc,
+            output=out,
+            query_start_loc=plan.query_start_loc,
+            seq_lens=plan.seq_lens,
+            scale=impl.scale,
+            causal=True,
+            alibi_slopes=impl.alibi_slopes,
+            sliding_window=-1,
+            block_table=plan.block_table,
+            softcap=impl.logits_soft_cap,
+            scheduler_metadata=plan.scheduler_metadata,
+            s_aux=impl.sinks,
+        )
         return out.view(len(plan.slots), -1)
 
     def read(self, cache, slots):
         N = cache.shape[2]
-        kview, vview = self._views(cache)          # [B, H, D, N], [B, H, N, D]
+        kview, vview = self._views(cache)  # [B, H, D, N], [B, H, N, D]
         b, o = slots // N, slots % N
-        return kview[b, :, :, o].clone(), vview[b, :, o, :].clone()   # adv-index -> [n, H, D]
+        return kview[b, :, :, o].clone(), vview[b, :, o, :].clone()  # adv-index -> [n, H, D]
 
 
 class ProbedCpuAttnLayout(CpuAttnLayout):
@@ -249,7 +303,7 @@ class ProbedCpuAttnLayout(CpuAttnLayout):
         key = (cache.dtype, H, N, C)
         if key in self._maps:
             return self._maps[key]
-        t, h, d = torch.meshgrid(torch.arange(N), torch.arange(H), torch.arange(D), indexing="ij")   # [N, H, D]
+        t, h, d = torch.meshgrid(torch.arange(N), torch.arange(H), torch.arange(D), indexing="ij")  # [N, H, D]
         codes = []
         # K and V get different codes in every pass but the last, so one write op places both.
         for kc, vc in ((t + 1, -(t + 1)), (h + 1, -(h + 1)), (d - D // 2, d - D // 2), (t * 0 + 1, t * 0 + 2)):
@@ -276,32 +330,33 @@ class ProbedCpuAttnLayout(CpuAttnLayout):
         N = cache.shape[2]
         flat = cache.view(cache.shape[0], -1)
         b, o = (slots // N)[:, None, None], slots % N
-        return flat[b, k_idx[o]], flat[b, v_idx[o]]                      # [n, H, D] each
+        return flat[b, k_idx[o]], flat[b, v_idx[o]]  # [n, H, D] each
 
     def write_range(self, cache, block_ids, start, end, k, v) -> None:
         edges, first, last = self._split(start, end, cache.shape[2])
         for a, b in edges:
-            KVLayout.write_range(self, cache, block_ids, a, b, k[a - start: b - start], v[a - start: b - start])
+            KVLayout.write_range(self, cache, block_ids, a, b, k[a - start : b - start], v[a - start : b - start])
         k_idx, v_idx = self._index(cache)
         N = cache.shape[2]
         flat = cache.view(cache.shape[0], -1)
         for j in range(first, last):
             t = j * N - start
-            flat[block_ids[j]][k_idx] = k[t: t + N].to(cache.dtype)
-            flat[block_ids[j]][v_idx] = v[t: t + N].to(cache.dtype)
+            flat[block_ids[j]][k_idx] = k[t : t + N].to(cache.dtype)
+            flat[block_ids[j]][v_idx] = v[t : t + N].to(cache.dtype)
 
     def read_range_into(self, cache, block_ids, start, end, k_out, v_out) -> None:
         edges, first, last = self._split(start, end, cache.shape[2])
         for a, b in edges:
-            KVLayout.read_range_into(self, cache, block_ids, a, b, k_out[a - start: b - start],
-                                     v_out[a - start: b - start])
+            KVLayout.read_range_into(
+                self, cache, block_ids, a, b, k_out[a - start : b - start], v_out[a - start : b - start]
+            )
         k_idx, v_idx = self._index(cache)
         N = cache.shape[2]
         flat = cache.view(cache.shape[0], -1)
         for j in range(first, last):
             t = j * N - start
-            k_out[t: t + N].copy_(flat[block_ids[j]][k_idx])
-            v_out[t: t + N].copy_(flat[block_ids[j]][v_idx])
+            k_out[t : t + N].copy_(flat[block_ids[j]][k_idx])
+            v_out[t : t + N].copy_(flat[block_ids[j]][v_idx])
 
 
 class FlashAttnLayout(KVLayout):
@@ -329,5 +384,4 @@ def layout_for(attn_layer: torch.nn.Module) -> KVLayout:
         return CpuAttnLayout(isa) if isa in CpuAttnLayout.READABLE_ISAS else ProbedCpuAttnLayout(isa)
     if backend == "FlashAttentionImpl":
         return FlashAttnLayout()
-    raise LayoutError(f"attention backend {backend} is not supported by the linker "
-                      "(supported: CPU_ATTN, FLASH_ATTN)")
+    raise LayoutError(f"attention backend {backend} is not supported by the linker (supported: CPU_ATTN, FLASH_ATTN)")

@@ -5,6 +5,7 @@ is a fixed per-position rotation (default, linear, llama3, YaRN), R(p+t) = R(p-b
 key of the chunk is rotated by the same angle set at delta = p - b. YaRN scales cos/sin by mscale;
 normalising each (cos, sin) pair to unit length keeps the delta a pure rotation. Done in fp32.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,10 +14,14 @@ from . import vllm_api
 
 # vLLM rotary classes with a static per-position table (delta rotation is exact). Dynamic-NTK,
 # MRoPE, LongRoPE (switches tables with length) and dual-chunk variants are refused.
-SHIFTABLE_ROPES = frozenset({
-    "RotaryEmbedding", "Llama3RotaryEmbedding", "LinearScalingRotaryEmbedding",
-    "YaRNScalingRotaryEmbedding",
-})
+SHIFTABLE_ROPES = frozenset(
+    {
+        "RotaryEmbedding",
+        "Llama3RotaryEmbedding",
+        "LinearScalingRotaryEmbedding",
+        "YaRNScalingRotaryEmbedding",
+    }
+)
 
 
 class RopeError(RuntimeError):
@@ -29,11 +34,12 @@ class KeyRotator:
     def __init__(self, rotary: torch.nn.Module) -> None:
         kind = type(rotary).__name__
         if kind not in SHIFTABLE_ROPES:
-            raise RopeError(f"rotary embedding {kind} is not position-shiftable; supported: "
-                            f"{', '.join(sorted(SHIFTABLE_ROPES))}")
+            raise RopeError(
+                f"rotary embedding {kind} is not position-shiftable; supported: {', '.join(sorted(SHIFTABLE_ROPES))}"
+            )
         self.rotary_dim = int(rotary.rotary_dim)
         self.is_neox = bool(rotary.is_neox_style)
-        cos, sin = vllm_api.rotary_table(rotary).chunk(2, dim=-1)   # cos, sin: [P, rot/2]
+        cos, sin = vllm_api.rotary_table(rotary).chunk(2, dim=-1)  # cos, sin: [P, rot/2]
         norm = torch.sqrt(cos * cos + sin * sin)
         self.cos, self.sin = cos / norm, sin / norm
         self.max_position = cos.shape[0]
@@ -45,13 +51,13 @@ class KeyRotator:
         if not abs(delta) < self.max_position:
             raise RopeError(f"position shift {delta} outside the rotary table (|shift| < {self.max_position})")
         # R(-d) = R(d) transposed: same cos, negated sin (a chunk compiled behind sink tokens may land at 0).
-        cos, sin = self.cos[abs(delta)], self.sin[abs(delta)] * (1.0 if delta > 0 else -1.0)   # [rot/2]
+        cos, sin = self.cos[abs(delta)], self.sin[abs(delta)] * (1.0 if delta > 0 else -1.0)  # [rot/2]
         k = k.float()
         cos, sin = cos.to(k.device), sin.to(k.device)
         rot = self.rotary_dim
         x, rest = k[..., :rot], k[..., rot:]
         if self.is_neox:
-            x1, x2 = x[..., : rot // 2], x[..., rot // 2:]
+            x1, x2 = x[..., : rot // 2], x[..., rot // 2 :]
             out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         else:
             x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -59,13 +65,14 @@ class KeyRotator:
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
-def self_check(rotator: KeyRotator, rotary: torch.nn.Module, head_size: int, num_kv_heads: int,
-               dtype: torch.dtype) -> None:
+def self_check(
+    rotator: KeyRotator, rotary: torch.nn.Module, head_size: int, num_kv_heads: int, dtype: torch.dtype
+) -> None:
     """Keys rotated by the model's own rotary code at positions p..p+T-1 must equal keys rotated at 0..T-1
     and then shifted by p with `rotator`: the linker's whole premise, checked numerically at start-up."""
     g = torch.Generator().manual_seed(7)
     T, shift = 8, 1000 % rotator.max_position
-    k = torch.randn((T, num_kv_heads, head_size), generator=g)              # k: [T, Hkv, D] pre-RoPE
+    k = torch.randn((T, num_kv_heads, head_size), generator=g)  # k: [T, Hkv, D] pre-RoPE
     pos = torch.arange(T)
     at0 = vllm_api.rope_reference(rotary, pos, k)
     want = vllm_api.rope_reference(rotary, pos + shift, k)
@@ -74,5 +81,7 @@ def self_check(rotator: KeyRotator, rotary: torch.nn.Module, head_size: int, num
     # The model runs in `dtype` (its rotary code may round to it): allow a few of its roundings, far below
     # what a wrong rotation gives (errors of the keys' own size).
     if not err < max(1e-4, 8 * torch.finfo(dtype).eps) * max(1.0, float(want.abs().max())):
-        raise RopeError(f"key re-rotation differs from the model's own RoPE by {err:.3g} "
-                        f"({type(rotary).__name__}): refusing to link")
+        raise RopeError(
+            f"key re-rotation differs from the model's own RoPE by {err:.3g} "
+            f"({type(rotary).__name__}): refusing to link"
+        )

@@ -4,6 +4,7 @@ Callers (sync threads or asyncio tasks) submit requests; the thread adds them be
 engine core is not thread-safe), steps while anything is unfinished, and routes each delta to its
 request's sink. Many concurrent requests are batched by vLLM's scheduler.
 """
+
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,9 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..types import Delta
 from . import vllm_api
@@ -30,7 +32,7 @@ class _Pending:
 
 @dataclass
 class Runtime:
-    llm: Any                                   # vllm.v1.engine.llm_engine.LLMEngine
+    llm: Any  # vllm.v1.engine.llm_engine.LLMEngine
     _inbox: "queue.SimpleQueue[_Pending | tuple[str, str]]" = field(default_factory=queue.SimpleQueue)
     _sinks: dict[str, Callable] = field(default_factory=dict)
     _wake: threading.Event = field(default_factory=threading.Event)
@@ -48,13 +50,23 @@ class Runtime:
         self._inbox.put(_Pending(req_id, prompt, params, sink))
         self._wake.set()
 
-    def submit_tokens(self, prompt_ids: list[int], sink: Callable[[Delta | BaseException], None], *,
-                      max_tokens: int, temperature: float = 0.0, salt: str | None = None,
-                      kv_params: dict | None = None, stop: list[str] | None = None, seed: int | None = None) -> str:
+    def submit_tokens(
+        self,
+        prompt_ids: list[int],
+        sink: Callable[[Delta | BaseException], None],
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        salt: str | None = None,
+        kv_params: dict | None = None,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+    ) -> str:
         """Submit a tokenized prompt; returns its request id. A fresh `salt` (the default) keeps its KV out
         of everyone else's prefix-cache hits."""
-        prompt, params = vllm_api.request_inputs(prompt_ids, salt or uuid.uuid4().hex, max_tokens, temperature,
-                                                 stop, seed, kv_params)
+        prompt, params = vllm_api.request_inputs(
+            prompt_ids, salt or uuid.uuid4().hex, max_tokens, temperature, stop, seed, kv_params
+        )
         req_id = uuid.uuid4().hex
         self.submit(req_id, prompt, params, sink)
         return req_id
@@ -89,7 +101,7 @@ class Runtime:
                     self._sinks[item.req_id] = item.sink
                 except BaseException as e:  # bad request: tell the caller, keep serving
                     item.sink(e)
-            elif self._sinks.pop(item[1], None) is not None:   # ("abort", req_id)
+            elif self._sinks.pop(item[1], None) is not None:  # ("abort", req_id)
                 self.llm.abort_request([item[1]])
 
     def _loop(self) -> None:
@@ -115,9 +127,14 @@ class Runtime:
                 if sink is None:
                     continue
                 c = out.outputs[0] if out.outputs else None
-                d = Delta(text=c.text if c else "", token_ids=list(c.token_ids) if c else [],
-                          finished=out.finished, finish_reason=c.finish_reason if c else None, t=now,
-                          cached_tokens=getattr(out, "num_cached_tokens", None))
+                d = Delta(
+                    text=c.text if c else "",
+                    token_ids=list(c.token_ids) if c else [],
+                    finished=out.finished,
+                    finish_reason=c.finish_reason if c else None,
+                    t=now,
+                    cached_tokens=getattr(out, "num_cached_tokens", None),
+                )
                 if out.finished:
                     del self._sinks[rid]
                 sink(d)

@@ -19,6 +19,7 @@ Internals (read from vLLM 0.32.0's source; nothing guarantees them):
   `scheduled_new_reqs`, `scheduled_cached_reqs`, `num_scheduled_tokens` (scheduled_steps, block_ids_of);
 - `get_kv_transfer_group()` and `worker.model_runner.get_model()` (worker_model, kv_connector).
 """
+
 from __future__ import annotations
 
 import os
@@ -61,27 +62,46 @@ def new_llm_engine(model_dir: str, dtype: str, config) -> Any:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     args = EngineArgs(
-        model=model_dir, dtype=dtype, max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        enforce_eager=True, enable_prefix_caching=True, seed=config.seed,
+        model=model_dir,
+        dtype=dtype,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        seed=config.seed,
         gpu_memory_utilization=config.gpu_memory_utilization,
-        kv_transfer_config=KVTransferConfig(kv_connector="EpicConnector", kv_connector_module_path=CONNECTOR_MODULE,
-                                            kv_role="kv_both"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="EpicConnector", kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both"
+        ),
         worker_extension_cls=f"{CONNECTOR_MODULE}.EpicWorkerExtension",
     )
     return LLMEngine.from_engine_args(args)
 
 
-def request_inputs(prompt_ids: list[int], salt: str, max_tokens: int, temperature: float,
-                   stop: list[str] | str | None, seed: int | None, kv_params: dict | None) -> tuple[Any, Any]:
+def request_inputs(
+    prompt_ids: list[int],
+    salt: str,
+    max_tokens: int,
+    temperature: float,
+    stop: list[str] | str | None,
+    seed: int | None,
+    kv_params: dict | None,
+) -> tuple[Any, Any]:
     """(prompt, params) for LLMEngine.add_request: streamed as deltas, epic params in kv_transfer_params."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     extra = {"kv_transfer_params": kv_params} if kv_params else None
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop, seed=seed,
-                            output_kind=RequestOutputKind.DELTA, extra_args=extra)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        stop=stop,
+        seed=seed,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args=extra,
+    )
     return TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=salt), params
 
 
@@ -89,7 +109,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """This worker's decoder layers (a pipeline stage holds a slice)."""
     inner = model.model
     layers = list(inner.layers)
-    return layers[inner.start_layer: inner.end_layer] if hasattr(inner, "start_layer") else layers
+    return layers[inner.start_layer : inner.end_layer] if hasattr(inner, "start_layer") else layers
 
 
 def embed_fn(model: torch.nn.Module):
@@ -97,8 +117,9 @@ def embed_fn(model: torch.nn.Module):
     return getattr(inner, "embed_input_ids", None) or inner.embed_tokens
 
 
-def decoder_layer_forward(layer: torch.nn.Module, positions: torch.Tensor, hidden: torch.Tensor,
-                          residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def decoder_layer_forward(
+    layer: torch.nn.Module, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer on the hidden states of `positions` only.  # hidden: [n, hidden]"""
     return layer(positions, hidden, residual)
 
@@ -127,7 +148,7 @@ def rotary_table(rotary: torch.nn.Module) -> torch.Tensor:
 def rope_reference(rotary: torch.nn.Module, positions: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Keys rotated by the model's own rotary code at `positions` (pure torch).  # k: [T, H, D] -> [T, H, D]"""
     T, H, D = k.shape
-    q = torch.zeros((T, D), dtype=k.dtype, device=k.device)   # one dummy query head
+    q = torch.zeros((T, D), dtype=k.dtype, device=k.device)  # one dummy query head
     _, out = rotary.forward_native(positions, q, k.reshape(T, H * D).clone())
     return out.view(T, H, D)
 
@@ -139,11 +160,13 @@ def attention_backend(attn: torch.nn.Module) -> str:
 def cpu_ops():
     """vLLM's custom op namespace (CPU attention cache write, kernel, scheduler metadata)."""
     from vllm import _custom_ops as ops
+
     return ops
 
 
 def cpu_attn_split_kv() -> bool:
     import vllm.envs as envs
+
     return bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
 
 
@@ -161,6 +184,7 @@ def block_ids_of(kv_cache_manager, req_id: str) -> list[int]:
 def kv_connector():
     """This worker's KV connector instance."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     return get_kv_transfer_group()
 
 

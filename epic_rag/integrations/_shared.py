@@ -4,6 +4,7 @@ vLLM keeps process-global state, so a process can hold one engine. Wrappers buil
 the shared one, created on first use (not at construction: building a wrapper stays cheap). A wrapper
 given an engine explicitly makes it the shared one when none is registered yet.
 """
+
 from __future__ import annotations
 
 import threading
@@ -21,8 +22,16 @@ _shared: "EpicEngine | None" = None
 
 # Figures every framework response carries (LlamaIndex additional_kwargs / Response.metadata,
 # LangChain response_metadata).
-STAT_KEYS = ("ttft_s", "total_s", "prompt_tokens", "linked_tokens", "recomputed_tokens", "chunk_hits",
-             "chunk_misses", "policy")
+STAT_KEYS = (
+    "ttft_s",
+    "total_s",
+    "prompt_tokens",
+    "linked_tokens",
+    "recomputed_tokens",
+    "chunk_hits",
+    "chunk_misses",
+    "policy",
+)
 
 
 def model_label(engine: "EpicEngine") -> str:
@@ -66,8 +75,10 @@ def shared_engine(model: str | None = None, config: EngineConfig | None = None) 
                 config = EngineConfig(model=model) if model else EngineConfig()
             _shared = EpicEngine(config)
         elif model and not _same_model(_shared, model):
-            raise ValueError(f"this process's engine serves {model_label(_shared)!r}, not {model!r} "
-                             "(vLLM allows one engine per process)")
+            raise ValueError(
+                f"this process's engine serves {model_label(_shared)!r}, not {model!r} "
+                "(vLLM allows one engine per process)"
+            )
         return _shared
 
 

@@ -12,6 +12,7 @@ prompt_tokens, linked_tokens, recomputed_tokens, chunk_hits, chunk_misses, polic
 chunk_keys); `usage_metadata` counts linked prompt tokens as `input_token_details.cache_read`.
 For streams they arrive on the last chunk.
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -37,8 +38,7 @@ from langchain_core.runnables.config import patch_config
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from ..config import EngineConfig
-from ..types import Delta
-from ..types import ChunkRef, Generation, RagRequest
+from ..types import ChunkRef, Delta, Generation, RagRequest
 from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, shared_engine
 
 __all__ = ["ChatEpic", "EpicRagChain", "compile_documents", "create_epic_rag_chain"]
@@ -96,8 +96,9 @@ class ChatEpic(BaseChatModel):
     stop: list[str] | None = None
     policy: str | None = Field(default=None, description="Link policy (default: the engine's).")
     streaming: bool = Field(default=False, description="invoke() streams internally (callbacks per token).")
-    engine_config: Any = Field(default=None, exclude=True,
-                                               description="Config for the shared engine if none exists yet.")
+    engine_config: Any = Field(
+        default=None, exclude=True, description="Config for the shared engine if none exists yet."
+    )
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
@@ -132,14 +133,21 @@ class ChatEpic(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                "policy": self.policy}
+        return {
+            "model_name": self.model_name,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "policy": self.policy,
+        }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(ls_provider="epic_rag", ls_model_type="chat",
-                                 ls_model_name=kwargs.get("model") or self.model_name,
-                                 ls_temperature=float(kwargs.get("temperature", self.temperature)),
-                                 ls_max_tokens=int(kwargs.get("max_tokens") or self.max_tokens))
+        params = LangSmithParams(
+            ls_provider="epic_rag",
+            ls_model_type="chat",
+            ls_model_name=kwargs.get("model") or self.model_name,
+            ls_temperature=float(kwargs.get("temperature", self.temperature)),
+            ls_max_tokens=int(kwargs.get("max_tokens") or self.max_tokens),
+        )
         stop = stop or kwargs.get("stop") or self.stop
         if stop:
             params["ls_stop"] = list(stop)
@@ -151,20 +159,25 @@ class ChatEpic(BaseChatModel):
         if model and model != self.model_name:
             raise ValueError(f"this engine serves {self.model_name!r}; it cannot switch to {model!r} per call")
         stop = stop or kwargs.get("stop") or self.stop
-        return {"max_tokens": int(kwargs.get("max_tokens") or self.max_tokens),
-                "temperature": float(kwargs.get("temperature", self.temperature)),
-                "policy": kwargs.get("policy", self.policy),
-                "stop": list(stop) if stop else None}
+        return {
+            "max_tokens": int(kwargs.get("max_tokens") or self.max_tokens),
+            "temperature": float(kwargs.get("temperature", self.temperature)),
+            "policy": kwargs.get("policy", self.policy),
+            "stop": list(stop) if stop else None,
+        }
 
     def _request(self, messages: Sequence[BaseMessage], kwargs: dict[str, Any]):
         chunks = kwargs.get("chunks")
-        if chunks:   # an empty list (nothing retrieved) falls through to a plain chat prompt
+        if chunks:  # an empty list (nothing retrieved) falls through to a plain chat prompt
             system = [_text(m.content, "system") for m in messages if isinstance(m, SystemMessage)]
             rest = [m for m in messages if not isinstance(m, SystemMessage)]
             if len(rest) != 1 or not isinstance(rest[0], HumanMessage):
                 raise ValueError("with chunks=, the messages must be system messages and one question")
-            return RagRequest(question=_text(rest[0].content, "user"), chunks=[_chunk(c) for c in chunks],
-                              system="\n\n".join(system) or None)
+            return RagRequest(
+                question=_text(rest[0].content, "user"),
+                chunks=[_chunk(c) for c in chunks],
+                system="\n\n".join(system) or None,
+            )
         if not messages:
             raise ValueError("no messages")
         dicts = [{"role": _role(m), "content": _text(m.content, _role(m))} for m in messages]
@@ -176,29 +189,46 @@ class ChatEpic(BaseChatModel):
     @staticmethod
     def _usage(g: Generation) -> UsageMetadata:
         out = len(g.token_ids)
-        return UsageMetadata(input_tokens=g.prompt_tokens, output_tokens=out, total_tokens=g.prompt_tokens + out,
-                             input_token_details={"cache_read": g.linked_tokens})
+        return UsageMetadata(
+            input_tokens=g.prompt_tokens,
+            output_tokens=out,
+            total_tokens=g.prompt_tokens + out,
+            input_token_details={"cache_read": g.linked_tokens},
+        )
 
     def _result(self, g: Generation) -> ChatResult:
         msg = AIMessage(content=g.text, response_metadata=self._metadata(g), usage_metadata=self._usage(g))
-        return ChatResult(generations=[ChatGeneration(message=msg,
-                                                      generation_info={"finish_reason": g.finish_reason})],
-                          llm_output={"model_name": self.model_name})
+        return ChatResult(
+            generations=[ChatGeneration(message=msg, generation_info={"finish_reason": g.finish_reason})],
+            llm_output={"model_name": self.model_name},
+        )
 
     def _last_chunk(self, g: Generation) -> ChatGenerationChunk:
         return ChatGenerationChunk(
-            message=AIMessageChunk(content="", chunk_position="last", response_metadata=self._metadata(g),
-                                   usage_metadata=self._usage(g)),
-            generation_info={"finish_reason": g.finish_reason})
+            message=AIMessageChunk(
+                content="", chunk_position="last", response_metadata=self._metadata(g), usage_metadata=self._usage(g)
+            ),
+            generation_info={"finish_reason": g.finish_reason},
+        )
 
     # ------------------------------------------------------------------ BaseChatModel
-    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         gen_kw = self._gen_kwargs(stop, kwargs)
         return self._result(self.engine.generate(self._request(messages, kwargs), **gen_kw))
 
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
         gen_kw = self._gen_kwargs(stop, kwargs)
         for ev in self.engine.stream_events(self._request(messages, kwargs), **gen_kw):
             if isinstance(ev, Delta):
@@ -209,14 +239,23 @@ class ChatEpic(BaseChatModel):
             elif isinstance(ev, Generation):
                 yield self._last_chunk(ev)
 
-    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         gen_kw = self._gen_kwargs(stop, kwargs)
         return self._result(await self.engine.agenerate(self._request(messages, kwargs), **gen_kw))
 
-    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
         gen_kw = self._gen_kwargs(stop, kwargs)
         async for ev in self.engine.astream_events(self._request(messages, kwargs), **gen_kw):
             if isinstance(ev, Delta):
@@ -290,10 +329,11 @@ class EpicRagChain(RunnableSerializable[Any, AIMessage]):
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> AIMessage:
         return await self._acall_with_config(self._ainvoke, input, config, **kwargs)
 
-    def _transform(self, values: Iterator[Any], run_manager, config: RunnableConfig,
-                   **kwargs: Any) -> Iterator[AIMessageChunk]:
+    def _transform(
+        self, values: Iterator[Any], run_manager, config: RunnableConfig, **kwargs: Any
+    ) -> Iterator[AIMessageChunk]:
         value = None
-        for value in values:
+        for value in values:  # noqa: B007 - the last input is the question
             pass
         q = _question(value)
         child = patch_config(config, callbacks=run_manager.get_child())
@@ -301,10 +341,11 @@ class EpicRagChain(RunnableSerializable[Any, AIMessage]):
         for chunk in self.llm.stream(self._messages(q), child, chunks=docs, **kwargs):
             yield self._with_docs(chunk, docs) if chunk.chunk_position == "last" else chunk
 
-    async def _atransform(self, values: AsyncIterator[Any], run_manager, config: RunnableConfig,
-                          **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+    async def _atransform(
+        self, values: AsyncIterator[Any], run_manager, config: RunnableConfig, **kwargs: Any
+    ) -> AsyncIterator[AIMessageChunk]:
         value = None
-        async for value in values:
+        async for value in values:  # noqa: B007 - the last input is the question
             pass
         q = _question(value)
         child = patch_config(config, callbacks=run_manager.get_child())
@@ -312,20 +353,23 @@ class EpicRagChain(RunnableSerializable[Any, AIMessage]):
         async for chunk in self.llm.astream(self._messages(q), child, chunks=docs, **kwargs):
             yield self._with_docs(chunk, docs) if chunk.chunk_position == "last" else chunk
 
-    def transform(self, input: Iterator[Any], config: RunnableConfig | None = None,
-                  **kwargs: Any) -> Iterator[AIMessageChunk]:
+    def transform(
+        self, input: Iterator[Any], config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Iterator[AIMessageChunk]:
         yield from self._transform_stream_with_config(input, self._transform, config, **kwargs)
 
     def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[AIMessageChunk]:
         yield from self.transform(iter([input]), config, **kwargs)
 
-    async def atransform(self, input: AsyncIterator[Any], config: RunnableConfig | None = None,
-                         **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+    async def atransform(
+        self, input: AsyncIterator[Any], config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[AIMessageChunk]:
         async for chunk in self._atransform_stream_with_config(input, self._atransform, config, **kwargs):
             yield chunk
 
-    async def astream(self, input: Any, config: RunnableConfig | None = None,
-                      **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+    async def astream(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[AIMessageChunk]:
         async def one() -> AsyncIterator[Any]:
             yield input
 
@@ -333,17 +377,25 @@ class EpicRagChain(RunnableSerializable[Any, AIMessage]):
             yield chunk
 
 
-def compile_documents(documents: Sequence[Document], engine: Any = None, policy: str | None = None,
-                      batch_size: int = 32) -> list[ChunkRef]:
+def compile_documents(
+    documents: Sequence[Document], engine: Any = None, policy: str | None = None, batch_size: int = 32
+) -> list[ChunkRef]:
     """Compile the Documents' page_content (at ingest), so prompts that insert them verbatim link them and
     chains that pass them as chunks find them compiled. Returns the refs in input order."""
     eng = adopt_engine(engine) if engine is not None else shared_engine()
     return eng.compile([d.page_content for d in documents], policy=policy, batch_size=batch_size)
 
 
-def create_epic_rag_chain(retriever: Any, engine: Any = None, *, llm: ChatEpic | None = None,
-                          system: str | None = None, max_tokens: int = 256, temperature: float = 0.0,
-                          policy: str | None = None) -> EpicRagChain:
+def create_epic_rag_chain(
+    retriever: Any,
+    engine: Any = None,
+    *,
+    llm: ChatEpic | None = None,
+    system: str | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    policy: str | None = None,
+) -> EpicRagChain:
     """A Runnable answering a question from what `retriever` returns, the Documents linked as chunks.
 
     `retriever`: any Runnable from a question string to a list of Documents (e.g. a vector store's

@@ -13,6 +13,7 @@ Every response carries the figures in `additional_kwargs` (CompletionResponse / 
 on the last item): ttft_s, total_s, prompt_tokens, linked_tokens, recomputed_tokens, chunk_hits,
 chunk_misses, policy, finish_reason, completion_tokens, chunk_keys.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,14 +44,17 @@ from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, Trans
 from llama_index.core.settings import Settings
 
 from ..config import EngineConfig
-from ..types import Delta
-from ..types import Generation, RagRequest
+from ..types import Delta, Generation, RagRequest
 from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, shared_engine
 
 __all__ = ["EpicLLM", "EpicChunkCompiler", "EpicSynthesizer", "node_llm_text"]
 
-_ROLE = {MessageRole.DEVELOPER: "system", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
-         MessageRole.FUNCTION: "tool"}
+_ROLE = {
+    MessageRole.DEVELOPER: "system",
+    MessageRole.CHATBOT: "assistant",
+    MessageRole.MODEL: "assistant",
+    MessageRole.FUNCTION: "tool",
+}
 _IGNORED_BLOCKS = {"CachePoint", "ThinkingBlock"}
 
 
@@ -80,8 +84,9 @@ class EpicLLM(CustomLLM):
     temperature: float = Field(default=0.0, ge=0.0, le=5.0, description="Default sampling temperature.")
     policy: str | None = Field(default=None, description="Link policy (default: the engine's).")
     stop: list[str] | None = Field(default=None, description="Default stop strings.")
-    context_window: int | None = Field(default=None, gt=0,
-                                       description="Cap on the reported context window (default: engine's).")
+    context_window: int | None = Field(
+        default=None, gt=0, description="Cap on the reported context window (default: engine's)."
+    )
 
     _engine: Any = PrivateAttr(default=None)
     _config: EngineConfig | None = PrivateAttr(default=None)
@@ -116,24 +121,32 @@ class EpicLLM(CustomLLM):
             window, name, chat = cfg.max_model_len, self.model or cfg.model, True
         if self.context_window:
             window = min(window, self.context_window)
-        return LLMMetadata(context_window=window, num_output=self.max_tokens, model_name=name,
-                           is_chat_model=chat, is_function_calling_model=False)
+        return LLMMetadata(
+            context_window=window,
+            num_output=self.max_tokens,
+            model_name=name,
+            is_chat_model=chat,
+            is_function_calling_model=False,
+        )
 
     # ------------------------------------------------------------------ requests
     def _gen_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         stop = kwargs.get("stop", self.stop)
-        return {"max_tokens": int(kwargs.get("max_tokens") or self.max_tokens),
-                "temperature": float(kwargs.get("temperature", self.temperature)),
-                "policy": kwargs.get("policy", self.policy),
-                "stop": list(stop) if stop else None}
+        return {
+            "max_tokens": int(kwargs.get("max_tokens") or self.max_tokens),
+            "temperature": float(kwargs.get("temperature", self.temperature)),
+            "policy": kwargs.get("policy", self.policy),
+            "stop": list(stop) if stop else None,
+        }
 
     def _completion_request(self, prompt: str, formatted: bool):
         if formatted:
             return prompt
         if self.completion_to_prompt is not default_completion_to_prompt:
             return self.completion_to_prompt(prompt)
-        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + \
-            [{"role": "user", "content": prompt}]
+        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [
+            {"role": "user", "content": prompt}
+        ]
         return self.engine.render_messages(messages)
 
     def _chat_request(self, messages: Sequence[ChatMessage]):
@@ -149,8 +162,10 @@ class EpicLLM(CustomLLM):
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        return _stream(self.engine.stream_events(self._completion_request(prompt, formatted),
-                                                 **self._gen_kwargs(kwargs)), _as_completion)
+        return _stream(
+            self.engine.stream_events(self._completion_request(prompt, formatted), **self._gen_kwargs(kwargs)),
+            _as_completion,
+        )
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -159,8 +174,7 @@ class EpicLLM(CustomLLM):
         return CompletionResponse(text=g.text, additional_kwargs=generation_stats(g))
 
     @llm_completion_callback()
-    async def astream_complete(self, prompt: str, formatted: bool = False,
-                               **kwargs: Any) -> CompletionResponseAsyncGen:
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         req = self._completion_request(prompt, formatted)
         return _astream(self.engine.astream_events(req, **self._gen_kwargs(kwargs)), _as_completion)
 
@@ -168,8 +182,9 @@ class EpicLLM(CustomLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         g = self.engine.generate(self._chat_request(messages), **self._gen_kwargs(kwargs))
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=g.text),
-                            additional_kwargs=generation_stats(g))
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=g.text), additional_kwargs=generation_stats(g)
+        )
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -179,8 +194,9 @@ class EpicLLM(CustomLLM):
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         req = self._chat_request(messages)
         g = await self.engine.agenerate(req, **self._gen_kwargs(kwargs))
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=g.text),
-                            additional_kwargs=generation_stats(g))
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=g.text), additional_kwargs=generation_stats(g)
+        )
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
@@ -201,6 +217,7 @@ def _pieces():
         if isinstance(ev, Generation):
             return ev.text, "", generation_stats(ev)
         return None
+
     return step
 
 
@@ -209,8 +226,9 @@ def _as_completion(text: str, delta: str, stats: dict | None) -> CompletionRespo
 
 
 def _as_chat(text: str, delta: str, stats: dict | None) -> ChatResponse:
-    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
-                        additional_kwargs=stats or {})
+    return ChatResponse(
+        message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, additional_kwargs=stats or {}
+    )
 
 
 def _stream(events, make):
@@ -237,8 +255,10 @@ class EpicChunkCompiler(TransformComponent):
 
     policy: str | None = Field(default=None, description="Compile for this link policy (default: engine's).")
     batch_size: int = Field(default=32, gt=0, description="Chunks per compile batch.")
-    session: str = Field(default_factory=lambda: uuid.uuid4().hex,
-                         description="Per instance: keeps the pipeline cache from skipping compilation.")
+    session: str = Field(
+        default_factory=lambda: uuid.uuid4().hex,
+        description="Per instance: keeps the pipeline cache from skipping compilation.",
+    )
 
     _engine: Any = PrivateAttr(default=None)
 
@@ -262,7 +282,7 @@ class EpicChunkCompiler(TransformComponent):
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        self.engine  # created (if need be) on this thread, not in the worker
+        _ = self.engine  # created (if need be) on this thread, not in the worker
         return await asyncio.to_thread(self.__call__, nodes, **kwargs)
 
 
@@ -298,10 +318,17 @@ class EpicSynthesizer(BaseSynthesizer):
     (for a streaming response, once the stream has ended).
     """
 
-    def __init__(self, llm: EpicLLM | None = None, engine: Any = None, system: str | None = None,
-                 streaming: bool = False, callback_manager: CallbackManager | None = None,
-                 max_tokens: int | None = None, temperature: float | None = None,
-                 policy: str | None = None) -> None:
+    def __init__(
+        self,
+        llm: EpicLLM | None = None,
+        engine: Any = None,
+        system: str | None = None,
+        streaming: bool = False,
+        callback_manager: CallbackManager | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        policy: str | None = None,
+    ) -> None:
         if llm is None:
             current = Settings._llm  # not Settings.llm: that resolves (and may build) a default LLM
             llm = current if isinstance(current, EpicLLM) and engine is None else EpicLLM(engine=engine)
@@ -310,8 +337,11 @@ class EpicSynthesizer(BaseSynthesizer):
         super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming)
         self._epic: EpicLLM = llm
         self._system = system
-        self._overrides = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature),
-                                             ("policy", policy)) if v is not None}
+        self._overrides = {
+            k: v
+            for k, v in (("max_tokens", max_tokens), ("temperature", temperature), ("policy", policy))
+            if v is not None
+        }
 
     def _get_prompts(self) -> dict[str, Any]:
         return {}
@@ -321,10 +351,11 @@ class EpicSynthesizer(BaseSynthesizer):
 
     def _request(self, query_str: str, text_chunks: Sequence[str]):
         chunks = [c.strip() for c in text_chunks if c and c.strip()]
-        if not chunks:   # nothing retrieved: a plain chat prompt
+        if not chunks:  # nothing retrieved: a plain chat prompt
             return self._epic.engine.render_messages(
                 ([{"role": "system", "content": self._system}] if self._system else [])
-                + [{"role": "user", "content": query_str}])
+                + [{"role": "user", "content": query_str}]
+            )
         return RagRequest(question=query_str, chunks=chunks, system=self._system)
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
@@ -369,17 +400,26 @@ class EpicSynthesizer(BaseSynthesizer):
 
         return gen()
 
-    def synthesize(self, query: Any, nodes: list[NodeWithScore],
-                   additional_source_nodes: Sequence[NodeWithScore] | None = None, **response_kwargs: Any):
+    def synthesize(
+        self,
+        query: Any,
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None = None,
+        **response_kwargs: Any,
+    ):
         stats = _Stats()
-        response = super().synthesize(query, nodes, additional_source_nodes, _epic_stats=stats,
-                                      **response_kwargs)
+        response = super().synthesize(query, nodes, additional_source_nodes, _epic_stats=stats, **response_kwargs)
         return stats.attach(response) if nodes else response
 
-    async def asynthesize(self, query: Any, nodes: list[NodeWithScore],
-                          additional_source_nodes: Sequence[NodeWithScore] | None = None,
-                          **response_kwargs: Any):
+    async def asynthesize(
+        self,
+        query: Any,
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None = None,
+        **response_kwargs: Any,
+    ):
         stats = _Stats()
-        response = await super().asynthesize(query, nodes, additional_source_nodes, _epic_stats=stats,
-                                             **response_kwargs)
+        response = await super().asynthesize(
+            query, nodes, additional_source_nodes, _epic_stats=stats, **response_kwargs
+        )
         return stats.attach(response) if nodes else response

@@ -1,4 +1,5 @@
 """Chunk KV store: tiers behind one interface, opened from a spec string."""
+
 from .base import ChunkKV, ChunkStore, TierStats
 from .codec import CorruptEntry
 from .disk import DiskStore
@@ -55,5 +56,14 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["ChunkKV", "ChunkStore", "TierStats", "CorruptEntry", "MemoryStore", "DiskStore", "RedisStore",
-           "TieredStore", "open_store"]
+__all__ = [
+    "ChunkKV",
+    "ChunkStore",
+    "TierStats",
+    "CorruptEntry",
+    "MemoryStore",
+    "DiskStore",
+    "RedisStore",
+    "TieredStore",
+    "open_store",
+]

@@ -1,4 +1,5 @@
 """The chunk KV store contract: what a tier must do, and the KV record it holds."""
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,9 @@ def check_quant(quant: str) -> str:
 
 def check_key(key: str) -> str:
     if not isinstance(key, str) or not _KEY.fullmatch(key):
-        raise ValueError(f"invalid chunk key {key!r}: expected 1-200 characters of [A-Za-z0-9._-], "
-                         "starting with a letter or digit")
+        raise ValueError(
+            f"invalid chunk key {key!r}: expected 1-200 characters of [A-Za-z0-9._-], starting with a letter or digit"
+        )
     return key
 
 
@@ -40,8 +42,8 @@ class ChunkKV:
 
     key: str
     token_ids: list[int]
-    k: torch.Tensor          # k: [L, T, Hkv, D]
-    v: torch.Tensor          # v: [L, T, Hkv, D]
+    k: torch.Tensor  # k: [L, T, Hkv, D]
+    v: torch.Tensor  # v: [L, T, Hkv, D]
     base_pos: int = 0
     quant: str = "none"
 
@@ -67,8 +69,14 @@ class ChunkKV:
         stop = self.num_tokens if stop is None else min(stop, self.num_tokens)
         if start == 0 and stop == self.num_tokens:
             return self
-        return ChunkKV(self.key, self.token_ids[start:stop], self.k[:, start:stop], self.v[:, start:stop],
-                       self.base_pos + start, self.quant)
+        return ChunkKV(
+            self.key,
+            self.token_ids[start:stop],
+            self.k[:, start:stop],
+            self.v[:, start:stop],
+            self.base_pos + start,
+            self.quant,
+        )
 
 
 @dataclass(slots=True)
@@ -91,7 +99,7 @@ class TierStats:
     load_seconds: float = 0.0
     load_seconds_max: float = 0.0
     put_seconds: float = 0.0
-    available: int = 1       # 0 while a remote tier is unreachable
+    available: int = 1  # 0 while a remote tier is unreachable
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,4 +1,5 @@
 """`epic-rag store stats|ls|verify|clear --store SPEC`: look into (or empty) a chunk KV store."""
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("store", help="inspect, verify or clear a chunk KV store",
-                              description=__doc__)
+    p = subparsers.add_parser("store", help="inspect, verify or clear a chunk KV store", description=__doc__)
     sub = p.add_subparsers(dest="store_cmd", required=True)
     for name, fn, text in (
         ("stats", cmd_stats, "entries and bytes per tier"),
@@ -77,9 +77,12 @@ def register(subparsers) -> None:
         ("clear", cmd_clear, "delete every entry (only this store's keys/files)"),
     ):
         q = sub.add_parser(name, help=text, description=text)
-        q.add_argument("--store", required=True,
-                       help="store spec, e.g. disk:/var/cache/epic-rag or redis://127.0.0.1:6379/0 "
-                            "(see epic_rag.store.open_store)")
+        q.add_argument(
+            "--store",
+            required=True,
+            help="store spec, e.g. disk:/var/cache/epic-rag or redis://127.0.0.1:6379/0 "
+            "(see epic_rag.store.open_store)",
+        )
         if name == "stats":
             q.add_argument("--json", action="store_true", help="all counters as JSON")
         q.set_defaults(func=fn)

@@ -13,16 +13,16 @@ in name order, so any flipped byte, in the header or the data, is found. `decode
 stored key is the requested one, that the quant mode is the tier's, and that dtypes, shapes and
 offsets agree with the header, before any tensor is built. Nothing is ever unpickled.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import struct
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import save as st_save
-
-from collections.abc import Callable
 
 from .base import ChunkKV, ChunkStore, check_quant
 
@@ -31,8 +31,12 @@ _MAX_HEADER = 1 << 20
 
 # safetensors dtype names <-> torch dtypes (the KV dtypes a model may use, plus what int8 packing needs).
 _ST_DTYPES = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-    "I8": torch.int8, "I64": torch.int64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "I64": torch.int64,
 }
 _KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _TORCH_TO_NAME = {v: k for k, v in _KV_DTYPES.items()}
@@ -62,7 +66,7 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.detach().to(torch.float32)
     if not torch.isfinite(xf).all():
         raise ValueError("cannot int8-pack KV holding inf/nan")
-    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0          # scale: [L, T, H, 1]
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0  # scale: [L, T, H, 1]
     q = torch.round(xf / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp_(-127, 127)
     return q.to(torch.int8), scale
 
@@ -86,8 +90,14 @@ def pack(kv: ChunkKV, quant: str) -> tuple[dict, dict[str, torch.Tensor]]:
     else:
         tensors["k_q"], tensors["k_scale"] = quantize_int8(k)
         tensors["v_q"], tensors["v_scale"] = quantize_int8(v)
-    meta = {"format": FORMAT, "key": kv.key, "quant": quant, "dtype": dtype,
-            "shape": list(k.shape), "base_pos": int(kv.base_pos)}
+    meta = {
+        "format": FORMAT,
+        "key": kv.key,
+        "quant": quant,
+        "dtype": dtype,
+        "shape": list(k.shape),
+        "base_pos": int(kv.base_pos),
+    }
     return meta, tensors
 
 
@@ -113,8 +123,11 @@ def _check_meta(meta, key: str, quant: str) -> None:
     if meta.get("dtype") not in _KV_DTYPES:
         raise CorruptEntry(f"entry has unknown KV dtype {meta.get('dtype')!r}")
     shape = meta.get("shape")
-    if (not isinstance(shape, list) or len(shape) != 4
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)):
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 4
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)
+    ):
         raise CorruptEntry(f"entry has a bad shape {shape!r}")
     if not isinstance(meta.get("base_pos"), int) or meta["base_pos"] < 0:
         raise CorruptEntry("entry has a bad base_pos")
@@ -137,8 +150,9 @@ def unpack(meta: dict, tensors: dict[str, torch.Tensor], key: str, quant: str) -
         k = dequantize_int8(tensors["k_q"], tensors["k_scale"], kv_dtype)
         v = dequantize_int8(tensors["v_q"], tensors["v_scale"], kv_dtype)
     try:
-        return ChunkKV(key=key, token_ids=tensors["token_ids"].tolist(), k=k, v=v,
-                       base_pos=meta["base_pos"], quant=quant)
+        return ChunkKV(
+            key=key, token_ids=tensors["token_ids"].tolist(), k=k, v=v, base_pos=meta["base_pos"], quant=quant
+        )
     except ValueError as e:
         raise CorruptEntry(str(e)) from e
 
@@ -153,8 +167,9 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _digest(meta: dict, chunks) -> str:
-    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "sha256"},
-                                  sort_keys=True, separators=(",", ":")).encode())
+    h = hashlib.sha256(
+        json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True, separators=(",", ":")).encode()
+    )
     for name, data in chunks:
         h.update(name.encode() + b"\0")
         h.update(data)
@@ -177,7 +192,7 @@ def read_header(buf) -> tuple[dict, dict]:
     if hlen > _MAX_HEADER or 8 + hlen > len(view):
         raise CorruptEntry(f"entry header length {hlen} does not fit its {len(view)} bytes (truncated?)")
     try:
-        table = json.loads(bytes(view[8:8 + hlen]))
+        table = json.loads(bytes(view[8 : 8 + hlen]))
         meta = json.loads(table.pop("__metadata__")["epic"])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptEntry(f"entry header is unreadable ({type(e).__name__}: {e})") from e
@@ -198,7 +213,7 @@ def decode(buf: bytes | bytearray | memoryview, key: str, quant: str = "none") -
         raise CorruptEntry(f"entry tensors {sorted(table)} != expected {sorted(exp)}")
     view = memoryview(buf)
     hlen = struct.unpack("<Q", view[:8])[0]
-    data = view[8 + hlen:]
+    data = view[8 + hlen :]
     spans, end_max = {}, 0
     inv = {v: k for k, v in _ST_DTYPES.items()}
     for name, (dt, shape) in exp.items():
@@ -214,24 +229,29 @@ def decode(buf: bytes | bytearray | memoryview, key: str, quant: str = "none") -
         for s in shape:
             n *= s
         if not 0 <= begin <= end <= len(data) or end - begin != n:
-            raise CorruptEntry(f"tensor {name} bytes [{begin}, {end}) do not fit {len(data)} data bytes "
-                               f"or its {n}-byte size (truncated?)")
+            raise CorruptEntry(
+                f"tensor {name} bytes [{begin}, {end}) do not fit {len(data)} data bytes "
+                f"or its {n}-byte size (truncated?)"
+            )
         spans[name] = (begin, end)
         end_max = max(end_max, end)
     if end_max != len(data):
         raise CorruptEntry(f"entry has {len(data) - end_max} stray bytes after its tensors")
     want = meta.get("sha256")
-    got = _digest(meta, ((name, data[spans[name][0]:spans[name][1]]) for name in sorted(spans)))
+    got = _digest(meta, ((name, data[spans[name][0] : spans[name][1]]) for name in sorted(spans)))
     if want != got:
         raise CorruptEntry(f"checksum mismatch (stored {str(want)[:12]}..., computed {got[:12]}...)")
     if isinstance(buf, bytes):
         buf = bytearray(buf)  # torch.frombuffer wants writable memory; tensors then own this copy
-        data = memoryview(buf)[8 + hlen:]
+        data = memoryview(buf)[8 + hlen :]
     tensors = {}
     for name, (dt, shape) in exp.items():
         begin, end = spans[name]
-        t = torch.frombuffer(data, dtype=dt, count=(end - begin) // dt.itemsize, offset=begin) \
-            if end > begin else torch.empty(0, dtype=dt)
+        t = (
+            torch.frombuffer(data, dtype=dt, count=(end - begin) // dt.itemsize, offset=begin)
+            if end > begin
+            else torch.empty(0, dtype=dt)
+        )
         tensors[name] = t.view(shape)
     return unpack(meta, tensors, key, quant)
 

@@ -7,6 +7,7 @@ bad file is deleted and counted. A hit touches the file's mtime, and a byte budg
 recently used files. The budget covers the whole folder and is enforced approximately across processes:
 each writer rescans the folder when its own count passes the budget, and at least every 30 s.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,14 +26,15 @@ SUFFIX = ".safetensors"
 _TMP = ".tmp-"
 _RESCAN_S = 30.0
 _STALE_TMP_S = 3600.0
-_LOW_WATER = 0.9      # eviction frees down to this fraction of the budget
+_LOW_WATER = 0.9  # eviction frees down to this fraction of the budget
 
 
 class DiskStore(ChunkStore):
     name = "disk"
 
-    def __init__(self, root: str | os.PathLike, max_bytes: int | None = None, quant: str = "none",
-                 fsync: bool = False) -> None:
+    def __init__(
+        self, root: str | os.PathLike, max_bytes: int | None = None, quant: str = "none", fsync: bool = False
+    ) -> None:
         super().__init__()
         check_quant(quant)
         if max_bytes is not None and max_bytes <= 0:
@@ -48,8 +50,9 @@ class DiskStore(ChunkStore):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            self._log_error("mkdir", f"disk tier {self.root}: cannot create the folder ({e}); "
-                                     "it will miss until the folder exists")
+            self._log_error(
+                "mkdir", f"disk tier {self.root}: cannot create the folder ({e}); it will miss until the folder exists"
+            )
         self.refresh()
 
     def __repr__(self) -> str:
@@ -156,8 +159,11 @@ class DiskStore(ChunkStore):
         except OSError as e:
             with self._lock:
                 self.stats.errors += 1
-            self._log_error(f"write-{e.errno}", f"disk tier {self.root}: cannot write chunk {kv.key} ({e}); "
-                                                "serving continues without caching it on disk")
+            self._log_error(
+                f"write-{e.errno}",
+                f"disk tier {self.root}: cannot write chunk {kv.key} ({e}); "
+                "serving continues without caching it on disk",
+            )
             return
         with self._lock:
             self.stats.puts += 1
@@ -166,7 +172,8 @@ class DiskStore(ChunkStore):
             self.stats.bytes = self._approx_bytes
             self.stats.entries += old == 0
             due = self.max_bytes is not None and (
-                self._approx_bytes > self.max_bytes or time.monotonic() - self._last_scan > _RESCAN_S)
+                self._approx_bytes > self.max_bytes or time.monotonic() - self._last_scan > _RESCAN_S
+            )
         if due:
             self._evict()
 

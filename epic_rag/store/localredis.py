@@ -1,4 +1,5 @@
 """A throwaway redis-server on 127.0.0.1 for tests and benchmarks: no persistence, its own folder."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,13 @@ def free_port() -> int:
 class LocalRedis:
     """redis-server --save '' --appendonly no, on a free port; stop()/start() keep the port (restarts)."""
 
-    def __init__(self, workdir: str | os.PathLike, port: int | None = None, binary: str | None = None,
-                 extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        port: int | None = None,
+        binary: str | None = None,
+        extra_args: list[str] | None = None,
+    ) -> None:
         self.binary = binary or shutil.which("redis-server") or "/usr/bin/redis-server"
         if not os.path.exists(self.binary):
             raise FileNotFoundError("redis-server not found (apt-get install redis-server)")
@@ -38,9 +44,28 @@ class LocalRedis:
             return self
         log = self.workdir / "redis.log"
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--daemonize", "no", "--logfile", str(log), *self.extra_args],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(log),
+                *self.extra_args,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,4 +1,5 @@
 """Memory tier: an LRU dict of ChunkKV under a byte budget (optionally int8-packed)."""
+
 from __future__ import annotations
 
 import logging

@@ -6,6 +6,7 @@ are skipped without touching the network, and the first call after the back-off 
 when service returns). A missing key (expired by TTL or evicted under maxmemory) is just a miss; a write
 refused by the server (e.g. OOM under `maxmemory-policy noeviction`) is logged and skipped.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,8 +21,9 @@ log = logging.getLogger(__name__)
 
 _SKIP = object()
 # Delete a corrupt value only if it is still the same bytes (another engine may have rewritten it).
-_DEL_IF_SAME = "if redis.sha1hex(redis.call('GET', KEYS[1]) or '') == ARGV[1] then " \
-               "return redis.call('DEL', KEYS[1]) end return 0"
+_DEL_IF_SAME = (
+    "if redis.sha1hex(redis.call('GET', KEYS[1]) or '') == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
 
 
 def safe_url(url: str) -> str:
@@ -37,9 +39,16 @@ def safe_url(url: str) -> str:
 class RedisStore(ChunkStore):
     name = "redis"
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", ttl: float | None = None,
-                 prefix: str = "epic:kv:", timeout: float = 2.0, retry_s: float = 5.0, quant: str = "none",
-                 db: int | None = None) -> None:
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        ttl: float | None = None,
+        prefix: str = "epic:kv:",
+        timeout: float = 2.0,
+        retry_s: float = 5.0,
+        quant: str = "none",
+        db: int | None = None,
+    ) -> None:
         super().__init__()
         import redis
         from redis.backoff import NoBackoff
@@ -58,10 +67,15 @@ class RedisStore(ChunkStore):
         self._tag = codec.storage_suffix(quant)
         kwargs = {"db": db} if db is not None else {}
         self._client = redis.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
-            health_check_interval=0, **kwargs)
-        self._down_until: float | None = None     # monotonic time of the next probe while down
-        self._call(lambda c: c.ping())             # logs a warning if the server is not there yet
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+            **kwargs,
+        )
+        self._down_until: float | None = None  # monotonic time of the next probe while down
+        self._call(lambda c: c.ping())  # logs a warning if the server is not there yet
 
     def __repr__(self) -> str:
         return f"RedisStore({safe_url(self.url)!r}, ttl={self.ttl}, prefix={self.prefix!r}, quant={self.quant!r})"
@@ -87,8 +101,9 @@ class RedisStore(ChunkStore):
                 if self._down_until is not None:  # it answered: reachable again
                     self._down_until = None
                     self.stats.available = 1
-            self._log_error("refused", "redis tier %s refused a %s: %s", safe_url(self.url),
-                            "write" if write else "command", e)
+            self._log_error(
+                "refused", "redis tier %s refused a %s: %s", safe_url(self.url), "write" if write else "command", e
+            )
             return _SKIP
         except self._errors as e:
             with self._lock:
@@ -97,8 +112,13 @@ class RedisStore(ChunkStore):
                 self._down_until = time.monotonic() + self.retry_s
                 self.stats.available = 0
             if was_up:
-                log.warning("redis tier %s unreachable (%s: %s); serving from the other tiers, retrying every %gs",
-                            safe_url(self.url), type(e).__name__, e, self.retry_s)
+                log.warning(
+                    "redis tier %s unreachable (%s: %s); serving from the other tiers, retrying every %gs",
+                    safe_url(self.url),
+                    type(e).__name__,
+                    e,
+                    self.retry_s,
+                )
             return _SKIP
         with self._lock:
             if self._down_until is not None:
@@ -111,7 +131,7 @@ class RedisStore(ChunkStore):
         return f"{self.prefix}{check_key(key)}{self._tag}"
 
     def _key_of(self, rkey: bytes) -> str | None:
-        return codec.key_in_namespace(rkey.decode("utf-8", "replace")[len(self.prefix):], self._tag)
+        return codec.key_in_namespace(rkey.decode("utf-8", "replace")[len(self.prefix) :], self._tag)
 
     def _scan(self) -> list[bytes]:
         pattern = "".join("\\" + ch if ch in "*?[]\\" else ch for ch in self.prefix) + "*"
@@ -132,8 +152,9 @@ class RedisStore(ChunkStore):
         try:
             kv = codec.decode(data, key, self.quant)
         except codec.CorruptEntry as e:
-            log.warning("redis tier %s: corrupt entry %s dropped (%s); it will be recompiled",
-                        safe_url(self.url), rkey, e)
+            log.warning(
+                "redis tier %s: corrupt entry %s dropped (%s); it will be recompiled", safe_url(self.url), rkey, e
+            )
             with self._lock:
                 self.stats.corrupt += 1
                 self.stats.misses += 1
@@ -199,7 +220,7 @@ class RedisStore(ChunkStore):
         rkeys = self._scan()
         n = 0
         for i in range(0, len(rkeys), 500):
-            batch = rkeys[i:i + 500]
+            batch = rkeys[i : i + 500]
             r = self._call(lambda c: c.unlink(*batch))
             n += 0 if r is _SKIP else int(r)
         return n

@@ -2,6 +2,7 @@
 
 See `epic_rag.store.open_store` for the grammar.
 """
+
 from __future__ import annotations
 
 import re
@@ -22,8 +23,8 @@ _ARGS = {
 
 @dataclass(slots=True)
 class TierSpec:
-    kind: str                      # memory | disk | redis
-    target: str = ""               # disk folder or Redis URL (without our query args)
+    kind: str  # memory | disk | redis
+    target: str = ""  # disk folder or Redis URL (without our query args)
     args: dict[str, str] = field(default_factory=dict)
 
 
@@ -56,13 +57,15 @@ def _split_args(part: str, kind: str, spec: str) -> tuple[str, dict[str, str]]:
     try:
         pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True)
     except ValueError:
-        raise ValueError(f"store spec {spec!r}: bad query {query!r} for the {kind} tier "
-                         "(expected name=value&name=value)") from None
+        raise ValueError(
+            f"store spec {spec!r}: bad query {query!r} for the {kind} tier (expected name=value&name=value)"
+        ) from None
     args: dict[str, str] = {}
     for name, value in pairs:
         if name not in _ARGS[kind]:
-            raise ValueError(f"store spec {spec!r}: unknown {kind} option {name!r}; "
-                             f"known: {', '.join(sorted(_ARGS[kind]))}")
+            raise ValueError(
+                f"store spec {spec!r}: unknown {kind} option {name!r}; known: {', '.join(sorted(_ARGS[kind]))}"
+            )
         if name in args:
             raise ValueError(f"store spec {spec!r}: option {name!r} given twice")
         args[name] = value
@@ -86,11 +89,11 @@ def parse_spec(spec: str) -> list[TierSpec]:
             if target != "memory":  # legacy form memory:<bytes>
                 if "max_bytes" in args:
                     raise ValueError(f"store spec {spec!r}: give the memory budget once")
-                args["max_bytes"] = target[len("memory:"):]
+                args["max_bytes"] = target[len("memory:") :]
             tiers.append(TierSpec("memory", "", args))
         elif part.startswith("disk:"):
             target, args = _split_args(part, "disk", spec)
-            path = target[len("disk:"):]
+            path = target[len("disk:") :]
             if not path.strip():
                 raise ValueError(f"store spec {spec!r}: disk tier needs a folder, e.g. disk:/var/cache/epic-rag")
             tiers.append(TierSpec("disk", path, args))
@@ -99,8 +102,10 @@ def parse_spec(spec: str) -> list[TierSpec]:
             _check_redis_url(target, spec, args)
             tiers.append(TierSpec("redis", target, args))
         else:
-            raise ValueError(f"store spec {spec!r}: unknown tier {part!r}; expected memory, disk:<folder>, "
-                             "redis://host:port/db (or rediss://, unix://), joined with '+'")
+            raise ValueError(
+                f"store spec {spec!r}: unknown tier {part!r}; expected memory, disk:<folder>, "
+                "redis://host:port/db (or rediss://, unix://), joined with '+'"
+            )
     kinds = [t.kind for t in tiers]
     if kinds.count("memory") > 1:
         raise ValueError(f"store spec {spec!r}: more than one memory tier")
@@ -118,7 +123,7 @@ def _check_redis_url(url: str, spec: str, args: dict[str, str]) -> None:
     if not parts.hostname:
         raise ValueError(f"store spec {spec!r}: Redis URL {url!r} has no host (e.g. redis://127.0.0.1:6379/0)")
     try:
-        parts.port
+        _ = parts.port
     except ValueError:
         raise ValueError(f"store spec {spec!r}: Redis URL {url!r} has a bad port") from None
     db = parts.path.lstrip("/")

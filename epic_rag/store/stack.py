@@ -1,4 +1,5 @@
 """A stack of tiers behind one ChunkStore: look-ups go down, hits are promoted up, writes go through."""
+
 from __future__ import annotations
 
 import logging
