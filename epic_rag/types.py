@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from .policy import Policy
 
@@ -49,6 +49,15 @@ class PlacedChunk:
     start: int = 0
     sink: int = 0  # sink tokens right before `start` that belong to this chunk's linked span
     kv: "ChunkKV | None" = None  # already loaded while finding the tokens (so not loaded twice)
+
+
+class Sampling(TypedDict, total=False):
+    """Per-request keywords of EpicEngine.prepare and every generate/stream method."""
+
+    max_tokens: int  # default 64 (capped to what the context window leaves)
+    temperature: float  # default 0.0: greedy
+    policy: str | None  # default: the engine's policy
+    stop: list[str] | str | None
 
 
 @dataclass(slots=True)

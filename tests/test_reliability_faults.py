@@ -1,4 +1,4 @@
-"""Issue 7, faults while serving, on the real engine (tiny model): Redis stopped and restarted under load, a
+"""Faults while serving, on the real engine (tiny model): Redis stopped and restarted under load, a
 disk store that fills up, turns read-only, or has its files damaged while requests run, an engine process
 SIGKILLed in the middle of writing a compiled chunk, and clients that disconnect mid-stream.
 
@@ -37,7 +37,7 @@ from apps.demo.server import BackgroundServer, create_app
 from epic_rag import RagRequest
 from epic_rag.engine.board import BOARD
 from epic_rag.store import DiskStore, MemoryStore, open_store
-from epic_rag.store.localredis import LocalRedis
+from epic_rag.testing.localredis import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Issue 7, bad input: a catalogue run against the engine API and the HTTP server, both on the real vLLM
+"""Bad input: a catalogue run against the engine API and the HTTP server, both on the real vLLM
 engine with the tiny model (the demo app is served on loopback with `tiny_engine` and a bag-of-words
 encoder). Every bad input must get a clear error (ValueError / 4xx with a message); none may crash the
 process or poison later requests: after each one a fixed good request must give the same token ids as a

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from epic_rag.store.localredis import LocalRedis
+from epic_rag.testing.localredis import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import torch
 from test_store import DTYPES, assert_same, make_kv
 
 from epic_rag.store import DiskStore, RedisStore, TieredStore, codec, open_store
-from epic_rag.store.localredis import LocalRedis, free_port
+from epic_rag.testing.localredis import LocalRedis, free_port
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="redis-server binary not installed (apt-get install redis-server)"

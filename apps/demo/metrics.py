@@ -9,7 +9,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 
 
 class _StoreCollector:
-    """Chunk store counters per tier (engine.store.tier_stats(), else the store's stats), read at scrape."""
+    """Chunk store counters per tier (engine.store.tier_stats()), read at each scrape."""
 
     def __init__(self, get_engine, library) -> None:
         self._engine = get_engine

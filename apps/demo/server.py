@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -404,7 +405,10 @@ async def _plan(state: DemoState, body: ChatCompletionRequest, engine) -> _Plan:
         ]
         req = engine.render_messages(msgs)
     try:  # validated and tokenized once, off the event loop; the engine's own check decides what fits
-        req = await asyncio.to_thread(engine.prepare, req, max_tokens, temperature, policy, body.stop_list)
+        prepare = functools.partial(
+            engine.prepare, req, max_tokens=max_tokens, temperature=temperature, policy=policy, stop=body.stop_list
+        )
+        req = await asyncio.to_thread(prepare)
     except ValueError as e:
         raise HTTPException(400, f"prompt too long or invalid: {e} (lower top_k or shorten messages)") from None
     sources = [

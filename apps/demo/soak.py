@@ -121,7 +121,7 @@ class DemoProcess:
     """`epic-rag demo` in its own process on 127.0.0.1 (a free port), logs to a file."""
 
     def __init__(self, corpus: Path, data_dir: Path, key: str = KEY, log: Path | None = None) -> None:
-        from epic_rag.store.localredis import free_port
+        from epic_rag.testing.localredis import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

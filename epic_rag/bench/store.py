@@ -38,7 +38,7 @@ def run(
     import torch
 
     from ..store import DiskStore, open_store
-    from ..store.localredis import LocalRedis
+    from ..testing.localredis import LocalRedis
 
     load_before = os.getloadavg()
     T = chunk_tokens

@@ -7,7 +7,8 @@ import queue
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+
+from typing_extensions import Unpack
 
 from ..config import EngineConfig
 from ..keys import kv_fingerprint
@@ -16,10 +17,11 @@ from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
 from ..policy import SINK_LEN, parse_policy
 from ..prompt import assemble, encode_text, to_segments
 from ..store import open_store
-from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Segment
+from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Sampling, Segment
 from . import vllm_api
 from .board import BOARD, LinkJob
 from .chunks import ChunkResolver
+from .request import RequestRun, last_generation
 from .runtime import Runtime
 
 Request = RagRequest | str | Sequence[Segment] | PreparedRequest
@@ -117,10 +119,10 @@ class EpicEngine:
         )
 
     # ------------------------------------------------------------------ generation
-    def _start(self, request: Request, sink, **kw) -> _Run:
+    def _start(self, request: Request, sink, **sampling: Unpack[Sampling]) -> RequestRun:
         """Prepare, resolve chunk KV (compiling misses), post the link job and submit to vLLM."""
         t0 = time.perf_counter()
-        prep = self.prepare(request, **kw)
+        prep = self.prepare(request, **sampling)
         pol, job, kv_params, hits, misses, keys = prep.policy, None, None, 0, 0, []
         if pol.links_chunks and prep.chunks:
             spans, misses = self.chunks.link_spans(prep.token_ids, prep.chunks, pol)
@@ -143,19 +145,12 @@ class EpicEngine:
             if job:
                 BOARD.drop_job(job.job_id)
             raise
-        return _Run(self.runtime, req_id, prep, job, t0, hits, misses, keys)
+        return RequestRun(self.runtime, req_id, prep, job, t0, hits, misses, keys)
 
-    def stream_events(
-        self,
-        request: Request,
-        max_tokens: int = 64,
-        temperature: float = 0.0,
-        policy: str | None = None,
-        stop: list[str] | None = None,
-    ) -> Iterator[Delta | Generation]:
+    def stream_events(self, request: Request, **sampling: Unpack[Sampling]) -> Iterator[Delta | Generation]:
         """Yield each text delta as it is produced, then the final Generation."""
         box: queue.SimpleQueue = queue.SimpleQueue()
-        run = self._start(request, box.put, max_tokens=max_tokens, temperature=temperature, policy=policy, stop=stop)
+        run = self._start(request, box.put, **sampling)
         try:
             while not run.done:
                 yield from run.consume(box.get())
@@ -163,14 +158,7 @@ class EpicEngine:
             run.cancel()
             raise
 
-    async def astream_events(
-        self,
-        request: Request,
-        max_tokens: int = 64,
-        temperature: float = 0.0,
-        policy: str | None = None,
-        stop: list[str] | None = None,
-    ):
+    async def astream_events(self, request: Request, **sampling: Unpack[Sampling]):
         """Async form of stream_events: deltas, then the Generation. Cancelling aborts the request."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -180,11 +168,7 @@ class EpicEngine:
 
         # Setup may compile chunks (blocking): run it off the event loop. If the caller is cancelled
         # meanwhile, the request that setup submits is aborted as soon as it exists.
-        setup = asyncio.ensure_future(
-            asyncio.to_thread(
-                self._start, request, sink, max_tokens=max_tokens, temperature=temperature, policy=policy, stop=stop
-            )
-        )
+        setup = asyncio.ensure_future(asyncio.to_thread(self._start, request, sink, **sampling))
         try:
             run = await asyncio.shield(setup)
         except asyncio.CancelledError:
@@ -198,130 +182,27 @@ class EpicEngine:
             run.cancel()
             raise
 
-    def generate(
-        self,
-        request: Request,
-        max_tokens: int = 64,
-        temperature: float = 0.0,
-        policy: str | None = None,
-        stop: list[str] | None = None,
-    ) -> Generation:
-        """Answer one request; `policy` overrides the engine default for this request."""
-        return _last(self.stream_events(request, max_tokens, temperature, policy, stop))
+    def generate(self, request: Request, **sampling: Unpack[Sampling]) -> Generation:
+        """Answer one request. Keywords (Sampling): max_tokens (64), temperature (0.0: greedy), policy (the
+        engine's default), stop; the same for every generate/stream method."""
+        return last_generation(self.stream_events(request, **sampling))
 
-    def stream(
-        self,
-        request: Request,
-        max_tokens: int = 64,
-        temperature: float = 0.0,
-        policy: str | None = None,
-        stop: list[str] | None = None,
-    ) -> Iterator[str]:
+    def stream(self, request: Request, **sampling: Unpack[Sampling]) -> Iterator[str]:
         """Yield text deltas."""
-        for ev in self.stream_events(request, max_tokens, temperature, policy, stop):
+        for ev in self.stream_events(request, **sampling):
             if isinstance(ev, Delta):
                 yield ev.text
 
-    async def agenerate(
-        self,
-        request: Request,
-        max_tokens: int = 64,
-        temperature: float = 0.0,
-        policy: str | None = None,
-        stop: list[str] | None = None,
-    ) -> Generation:
-        async for ev in self.astream_events(request, max_tokens, temperature, policy, stop):
+    async def agenerate(self, request: Request, **sampling: Unpack[Sampling]) -> Generation:
+        async for ev in self.astream_events(request, **sampling):
             if isinstance(ev, Generation):
                 return ev
         raise RuntimeError("generation ended without a result")
 
-    async def astream(
-        self,
-        request: Request,
-        max_tokens: int = 64,
-        temperature: float = 0.0,
-        policy: str | None = None,
-        stop: list[str] | None = None,
-    ) -> AsyncIterator[str]:
-        async for ev in self.astream_events(request, max_tokens, temperature, policy, stop):
+    async def astream(self, request: Request, **sampling: Unpack[Sampling]) -> AsyncIterator[str]:
+        async for ev in self.astream_events(request, **sampling):
             if isinstance(ev, Delta):
                 yield ev.text
 
     def shutdown(self) -> None:
         self.runtime.shutdown()
-
-
-def _last(events: Iterator[Delta | Generation]) -> Generation:
-    for ev in events:
-        if isinstance(ev, Generation):
-            return ev
-    raise RuntimeError("generation ended without a result")
-
-
-@dataclass
-class _Run:
-    """One submitted request: accumulates its deltas, checks the link outcome, builds the Generation."""
-
-    runtime: Runtime
-    req_id: str
-    prep: PreparedRequest
-    job: LinkJob | None
-    t0: float
-    hits: int
-    misses: int
-    chunk_keys: list[str]
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    t_first: float | None = None
-    finish: str | None = None
-    cached: int | None = None
-    done: bool = False
-
-    def consume(self, d: Delta | BaseException) -> Iterator[Delta | Generation]:
-        """Take one delta from the runtime: yields it when it carries text, then the Generation when the
-        request finished. Raises the engine's error, or a link failure before any token of a wrongly
-        linked answer is passed on."""
-        if isinstance(d, BaseException):
-            raise d
-        if d.token_ids and self.t_first is None:
-            self.t_first, self.cached = d.t, d.cached_tokens
-            if self.job is not None and self.job.error:
-                raise RuntimeError(f"linking failed, answer discarded: {self.job.error}")
-        self.text.append(d.text)
-        self.token_ids += d.token_ids
-        if d.text:
-            yield d
-        if d.finished:
-            self.finish, self.done = d.finish_reason, True
-            yield self.result()
-
-    def cancel(self) -> None:
-        self.runtime.abort(self.req_id)
-        if self.job is not None:
-            BOARD.drop_job(self.job.job_id)
-
-    def result(self) -> Generation:
-        n, job = len(self.prep.token_ids), self.job
-        if job is not None:
-            BOARD.drop_job(job.job_id)
-            if job.error:
-                raise RuntimeError(f"linking failed, answer discarded: {job.error}")
-            recomputed = job.recomputed + (n - len(job.token_ids))
-        else:
-            recomputed = n - (self.cached or 0)  # `prefix`: vLLM's own prefix-cache hits are not recomputed
-        now = time.perf_counter()
-        return Generation(
-            text="".join(self.text),
-            token_ids=self.token_ids,
-            ttft_s=(self.t_first or now) - self.t0,
-            total_s=now - self.t0,
-            prompt_tokens=n,
-            linked_tokens=n - recomputed,
-            recomputed_tokens=recomputed,
-            chunk_hits=self.hits,
-            chunk_misses=self.misses,
-            policy=self.prep.policy.name,
-            finish_reason=self.finish,
-            chunk_keys=self.chunk_keys,
-            prefix_cached_tokens=0 if job is not None else (self.cached or 0),
-        )

@@ -172,27 +172,37 @@ class CpuAttnLayout(KVLayout):
             return [(start, end)], first, first
         return [(a, b) for a, b in ((start, first * N), (last * N, end)) if a < b], first, last
 
-    def write_range(self, cache, block_ids, start, end, k, v) -> None:
-        edges, first, last = self._split(start, end, cache.shape[2])
-        for a, b in edges:
-            super().write_range(cache, block_ids, a, b, k[a - start : b - start], v[a - start : b - start])
+    def _block_copies(self, cache: torch.Tensor):
+        """(put, get) of one whole block's K and V as [N, H, D] tensors (the hand-coded vec/vec16 packing)."""
         kview, vview = self._views(cache)
-        N = cache.shape[2]
-        for j in range(first, last):
-            t = j * N - start
-            kview[block_ids[j]].copy_(k[t : t + N].permute(1, 2, 0))  # K blocks are [H, D, N]
-            vview[block_ids[j]].copy_(v[t : t + N].permute(1, 0, 2))  # V blocks are [H, N, D]
+
+        def put(block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            kview[block].copy_(k.permute(1, 2, 0))  # K blocks are [H, D, N]
+            vview[block].copy_(v.permute(1, 0, 2))  # V blocks are [H, N, D]
+
+        def get(block: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+            k_out.copy_(kview[block].permute(2, 0, 1))  # [H, D, N] -> [N, H, D]
+            v_out.copy_(vview[block].permute(1, 0, 2))  # [H, N, D] -> [N, H, D]
+
+        return put, get
+
+    def write_range(self, cache, block_ids, start, end, k, v) -> None:
+        edges, first, last = self._split(start, end, N := cache.shape[2])
+        for a, b in edges:
+            KVLayout.write_range(self, cache, block_ids, a, b, k[a - start : b - start], v[a - start : b - start])
+        put, _ = self._block_copies(cache)
+        for t in range(first * N - start, last * N - start, N):
+            put(block_ids[(t + start) // N], k[t : t + N], v[t : t + N])
 
     def read_range_into(self, cache, block_ids, start, end, k_out, v_out) -> None:
-        edges, first, last = self._split(start, end, cache.shape[2])
+        edges, first, last = self._split(start, end, N := cache.shape[2])
         for a, b in edges:
-            super().read_range_into(cache, block_ids, a, b, k_out[a - start : b - start], v_out[a - start : b - start])
-        kview, vview = self._views(cache)
-        N = cache.shape[2]
-        for j in range(first, last):
-            t = j * N - start
-            k_out[t : t + N].copy_(kview[block_ids[j]].permute(2, 0, 1))  # [H, D, N] -> [N, H, D]
-            v_out[t : t + N].copy_(vview[block_ids[j]].permute(1, 0, 2))  # [H, N, D] -> [N, H, D]
+            KVLayout.read_range_into(
+                self, cache, block_ids, a, b, k_out[a - start : b - start], v_out[a - start : b - start]
+            )
+        _, get = self._block_copies(cache)
+        for t in range(first * N - start, last * N - start, N):
+            get(block_ids[(t + start) // N], k_out[t : t + N], v_out[t : t + N])
 
     def self_check(self, like: torch.Tensor) -> None:
         super().self_check(like)
@@ -332,31 +342,20 @@ class ProbedCpuAttnLayout(CpuAttnLayout):
         b, o = (slots // N)[:, None, None], slots % N
         return flat[b, k_idx[o]], flat[b, v_idx[o]]  # [n, H, D] each
 
-    def write_range(self, cache, block_ids, start, end, k, v) -> None:
-        edges, first, last = self._split(start, end, cache.shape[2])
-        for a, b in edges:
-            KVLayout.write_range(self, cache, block_ids, a, b, k[a - start : b - start], v[a - start : b - start])
+    def _block_copies(self, cache: torch.Tensor):
+        """(put, get) of one whole block's K and V as [N, H, D] tensors, through the probed indices."""
         k_idx, v_idx = self._index(cache)
-        N = cache.shape[2]
         flat = cache.view(cache.shape[0], -1)
-        for j in range(first, last):
-            t = j * N - start
-            flat[block_ids[j]][k_idx] = k[t : t + N].to(cache.dtype)
-            flat[block_ids[j]][v_idx] = v[t : t + N].to(cache.dtype)
 
-    def read_range_into(self, cache, block_ids, start, end, k_out, v_out) -> None:
-        edges, first, last = self._split(start, end, cache.shape[2])
-        for a, b in edges:
-            KVLayout.read_range_into(
-                self, cache, block_ids, a, b, k_out[a - start : b - start], v_out[a - start : b - start]
-            )
-        k_idx, v_idx = self._index(cache)
-        N = cache.shape[2]
-        flat = cache.view(cache.shape[0], -1)
-        for j in range(first, last):
-            t = j * N - start
-            k_out[t : t + N].copy_(flat[block_ids[j]][k_idx])
-            v_out[t : t + N].copy_(flat[block_ids[j]][v_idx])
+        def put(block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            flat[block][k_idx] = k.to(cache.dtype)
+            flat[block][v_idx] = v.to(cache.dtype)
+
+        def get(block: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+            k_out.copy_(flat[block][k_idx])
+            v_out.copy_(flat[block][v_idx])
+
+        return put, get
 
 
 class FlashAttnLayout(KVLayout):

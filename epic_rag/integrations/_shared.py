@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig
-from ..types import Generation
+from ..types import Generation, Sampling
 
 if TYPE_CHECKING:
     from ..engine import EpicEngine
@@ -84,6 +84,17 @@ def shared_engine(model: str | None = None, config: EngineConfig | None = None) 
 
 def peek_shared_engine() -> "EpicEngine | None":
     return _shared
+
+
+def sampling_of(wrapper: Any, kwargs: dict[str, Any], stop: list[str] | None = None) -> Sampling:
+    """A call's sampling keywords over a wrapper's defaults (its max_tokens, temperature, policy, stop)."""
+    stop = stop or kwargs.get("stop") or wrapper.stop
+    return Sampling(
+        max_tokens=int(kwargs.get("max_tokens") or wrapper.max_tokens),
+        temperature=float(kwargs.get("temperature", wrapper.temperature)),
+        policy=kwargs.get("policy", wrapper.policy),
+        stop=list(stop) if stop else None,
+    )
 
 
 def generation_stats(g: Generation) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 
 from ..config import EngineConfig
 from ..types import ChunkRef, Delta, Generation, RagRequest
-from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, shared_engine
+from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, sampling_of, shared_engine
 
 __all__ = ["ChatEpic", "EpicRagChain", "compile_documents", "create_epic_rag_chain"]
 
@@ -158,13 +158,7 @@ class ChatEpic(BaseChatModel):
         model = kwargs.get("model")
         if model and model != self.model_name:
             raise ValueError(f"this engine serves {self.model_name!r}; it cannot switch to {model!r} per call")
-        stop = stop or kwargs.get("stop") or self.stop
-        return {
-            "max_tokens": int(kwargs.get("max_tokens") or self.max_tokens),
-            "temperature": float(kwargs.get("temperature", self.temperature)),
-            "policy": kwargs.get("policy", self.policy),
-            "stop": list(stop) if stop else None,
-        }
+        return sampling_of(self, kwargs, stop)
 
     def _request(self, messages: Sequence[BaseMessage], kwargs: dict[str, Any]):
         chunks = kwargs.get("chunks")

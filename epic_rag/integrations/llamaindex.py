@@ -45,7 +45,7 @@ from llama_index.core.settings import Settings
 
 from ..config import EngineConfig
 from ..types import Delta, Generation, RagRequest
-from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, shared_engine
+from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, sampling_of, shared_engine
 
 __all__ = ["EpicLLM", "EpicChunkCompiler", "EpicSynthesizer", "node_llm_text"]
 
@@ -130,15 +130,6 @@ class EpicLLM(CustomLLM):
         )
 
     # ------------------------------------------------------------------ requests
-    def _gen_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        stop = kwargs.get("stop", self.stop)
-        return {
-            "max_tokens": int(kwargs.get("max_tokens") or self.max_tokens),
-            "temperature": float(kwargs.get("temperature", self.temperature)),
-            "policy": kwargs.get("policy", self.policy),
-            "stop": list(stop) if stop else None,
-        }
-
     def _completion_request(self, prompt: str, formatted: bool):
         if formatted:
             return prompt
@@ -157,43 +148,43 @@ class EpicLLM(CustomLLM):
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        g = self.engine.generate(self._completion_request(prompt, formatted), **self._gen_kwargs(kwargs))
+        g = self.engine.generate(self._completion_request(prompt, formatted), **sampling_of(self, kwargs))
         return CompletionResponse(text=g.text, additional_kwargs=generation_stats(g))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         return _stream(
-            self.engine.stream_events(self._completion_request(prompt, formatted), **self._gen_kwargs(kwargs)),
+            self.engine.stream_events(self._completion_request(prompt, formatted), **sampling_of(self, kwargs)),
             _as_completion,
         )
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         req = self._completion_request(prompt, formatted)
-        g = await self.engine.agenerate(req, **self._gen_kwargs(kwargs))
+        g = await self.engine.agenerate(req, **sampling_of(self, kwargs))
         return CompletionResponse(text=g.text, additional_kwargs=generation_stats(g))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         req = self._completion_request(prompt, formatted)
-        return _astream(self.engine.astream_events(req, **self._gen_kwargs(kwargs)), _as_completion)
+        return _astream(self.engine.astream_events(req, **sampling_of(self, kwargs)), _as_completion)
 
     # ------------------------------------------------------------------ chat
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        g = self.engine.generate(self._chat_request(messages), **self._gen_kwargs(kwargs))
+        g = self.engine.generate(self._chat_request(messages), **sampling_of(self, kwargs))
         return ChatResponse(
             message=ChatMessage(role=MessageRole.ASSISTANT, content=g.text), additional_kwargs=generation_stats(g)
         )
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return _stream(self.engine.stream_events(self._chat_request(messages), **self._gen_kwargs(kwargs)), _as_chat)
+        return _stream(self.engine.stream_events(self._chat_request(messages), **sampling_of(self, kwargs)), _as_chat)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         req = self._chat_request(messages)
-        g = await self.engine.agenerate(req, **self._gen_kwargs(kwargs))
+        g = await self.engine.agenerate(req, **sampling_of(self, kwargs))
         return ChatResponse(
             message=ChatMessage(role=MessageRole.ASSISTANT, content=g.text), additional_kwargs=generation_stats(g)
         )
@@ -201,7 +192,7 @@ class EpicLLM(CustomLLM):
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         req = self._chat_request(messages)
-        return _astream(self.engine.astream_events(req, **self._gen_kwargs(kwargs)), _as_chat)
+        return _astream(self.engine.astream_events(req, **sampling_of(self, kwargs)), _as_chat)
 
 
 # Engine stream events -> LlamaIndex responses carrying the text so far (sync and async share the steps).
