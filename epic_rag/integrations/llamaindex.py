@@ -351,7 +351,7 @@ class EpicSynthesizer(BaseSynthesizer):
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
         stats: _Stats | None = response_kwargs.pop("_epic_stats", None)
-        kw = self._epic._gen_kwargs({**self._overrides, **response_kwargs})
+        kw = sampling_of(self._epic, {**self._overrides, **response_kwargs})
         req = self._request(query_str, text_chunks)
         engine = self._epic.engine
         if not self._streaming:
@@ -372,7 +372,7 @@ class EpicSynthesizer(BaseSynthesizer):
 
     async def aget_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
         stats: _Stats | None = response_kwargs.pop("_epic_stats", None)
-        kw = self._epic._gen_kwargs({**self._overrides, **response_kwargs})
+        kw = sampling_of(self._epic, {**self._overrides, **response_kwargs})
         req = self._request(query_str, text_chunks)
         engine = self._epic.engine
         if not self._streaming:
