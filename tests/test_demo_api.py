@@ -13,6 +13,7 @@ import pytest
 
 from apps.demo.config import DemoConfig
 from apps.demo.server import BackgroundServer, create_app
+from epic_rag.policy import SINK_LEN
 
 pytestmark = pytest.mark.smollm
 
@@ -118,7 +119,9 @@ def test_policy_switch_changes_what_is_linked(client):
     full, naive, lego = run("full"), run("naive"), run("legolink-16")
     assert full["linked_tokens"] == 0 and full["recomputed_tokens"] == full["prompt_tokens"]
     assert naive["linked_tokens"] > lego["linked_tokens"] > 0
-    assert naive["prompt_tokens"] == lego["prompt_tokens"] == full["prompt_tokens"]
+    # legolink-16 (sink form) links the same prompt as full; naive keeps each chunk's sink token in it.
+    assert lego["prompt_tokens"] == full["prompt_tokens"]
+    assert naive["prompt_tokens"] == full["prompt_tokens"] + SINK_LEN * len(full["sources"])
 
 
 def test_extra_body_chunk_ids_and_plain_chat(client):
