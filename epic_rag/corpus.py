@@ -111,6 +111,9 @@ def pydoc_documents(modules: list[str] = PYDOC_MODULES) -> list[Document]:
         except ImportError:
             continue
         text = pydoc.render_doc(obj, renderer=pydoc.plaintext)
+        # default values render with their memory address ("<function copy2 at 0x7f...>"): dropped, so the
+        # text (and every chunk key and embedding made from it) is the same in every process
+        text = re.sub(r" at 0x[0-9a-fA-F]+\b", "", text)
         docs.append(Document(f"pydoc-{mod}.txt", text))
     return docs
 

@@ -20,14 +20,29 @@ def test_scores_follow_longbench_normalisation():
 
 
 def test_quick_bench_writes_every_policy_for_every_part(smol_engine, tmp_path):
+    from epic_rag.bench.accuracy import ACCURACY_POLICIES, QUICK_SAMPLES, TASKS
     from epic_rag.bench.cli import parse_args, run
     from epic_rag.bench.latency import COMPARED_POLICIES
 
     args = parse_args(["all", "--quick", "--out", str(tmp_path), "--reps", "1", "--max-tokens", "4", "--no-progress"])
     report = run(args, engine=smol_engine)
     acc = json.loads((tmp_path / "accuracy.json").read_text())
-    assert [r["policy"] for r in acc["summary"]] == COMPARED_POLICIES
+    assert [r["policy"] for r in acc["summary"]] == ACCURACY_POLICIES
     assert all(r["n"] == acc["n_samples"] for r in acc["summary"])
+    # every task, paired against full, with intervals; the open-ended task scored against full's answers
+    assert acc["samples_per_task"] == {t: QUICK_SAMPLES for t in TASKS}
+    assert list(acc["tasks"]) == ["niah", "multidoc", "docsqa", "overall"]
+    for rows in acc["tasks"].values():
+        assert [r["policy"] for r in rows] == ACCURACY_POLICIES
+        assert all(r["acc_low"] <= r["acc"] <= r["acc_high"] for r in rows)
+        assert all(0 <= r["p_value"] <= 1 and r["pairs"] == r["n"] for r in rows[1:])
+    assert [r["policy"] for r in acc["open"]] == ACCURACY_POLICIES
+    assert all(0 <= r["f1"] <= 100 and 0 <= r["rouge_l"] <= 100 for r in acc["open"][1:])
+    acc_md = (tmp_path / "accuracy.md").read_text()
+    assert "Commands: `" in acc_md and "## docsqa" in acc_md and "## open" in acc_md
+    assert (tmp_path / "accuracy.png").exists()
+    tasks_done = {json.loads(line)["task"] for line in (tmp_path / "accuracy_rows.jsonl").read_text().splitlines()}
+    assert tasks_done == set(TASKS)
     sync = json.loads((tmp_path / "sync.json").read_text())
     assert {r["policy"] for r in sync} == set(COMPARED_POLICIES)
     assert all(r["ttft_median_s"] > 0 for r in sync)

@@ -1,8 +1,9 @@
 """`epic-rag bench {link,store,accuracy,sync,async,scaling,all,report}` with `--quick` for CI smoke tests.
 
-Every part writes `<out>/<part>.json` and Markdown into `--out` (default docs/bench): link.md and
-store.md for those two; the comparisons (accuracy, sync, async, scaling) one report, README.md, with
-meta.json (model, machine, the commands that made them) and plots.
+Every part writes `<out>/<part>.json` and Markdown into `--out` (default docs/bench for SmolLM2,
+docs/bench/qwen for Qwen2.5-Coder-0.5B): link.md, store.md and accuracy.md (+ accuracy.png) for those
+parts; the comparisons (accuracy, sync, async, scaling) one report, README.md, with meta.json (model,
+machine, the commands that made them) and plots.
 """
 
 from __future__ import annotations
@@ -10,7 +11,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .common import DEFAULT_OUT
+from .accuracy import (
+    ACCURACY_POLICIES,
+    DEFAULT_SAMPLES,
+    OPEN_MAX_TOKENS,
+    QUICK_OPEN_MAX_TOKENS,
+    QUICK_SAMPLES,
+    TASKS,
+)
+from .common import DEFAULT_OUT, MODEL_OUT, default_out
 
 PARTS = ["link", "store", "accuracy", "sync", "async", "scaling"]
 REPORTED = {"accuracy", "sync", "async", "scaling"}  # the parts docs/bench/README.md reports
@@ -42,7 +51,7 @@ def run(args: argparse.Namespace, engine=None) -> Path:
     from .common import command_line, load_json, machine, save_json
     from .report import write_report
 
-    out = Path(args.out)
+    out = Path(args.out) if args.out else default_out(args.model)
     what = args.what
     parts = PARTS if what == "all" else [what]
     own = engine is None
@@ -86,15 +95,17 @@ def run(args: argparse.Namespace, engine=None) -> Path:
             release=own and what == "store",
         )
     if "accuracy" in parts:
-        samples = A.build_samples(engine.tokenizer, quick=q)
-        apols = pols or L.COMPARED_POLICIES
-        rows = A.run_accuracy(
-            engine, samples, apols, out / "accuracy_rows.jsonl", max_tokens=args.max_tokens, progress=progress
-        )
-        save_json(
+        A.run(
+            engine,
             out,
-            "accuracy",
-            {"n_samples": len(samples), "max_tokens": args.max_tokens, "summary": A.summarize(rows, apols)},
+            model,
+            policies=pols,
+            samples=args.samples,
+            quick=q,
+            tasks=tuple(args.tasks),
+            max_tokens=args.max_tokens,
+            open_max_tokens=args.open_max_tokens,
+            progress=progress,
         )
     if "sync" in parts:
         rows = L.sync_latency(
@@ -138,11 +149,40 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help="all: every part; report: rewrite README.md from the results in --out",
     )
     b.add_argument("--quick", action="store_true", help="tiny settings: a smoke test of the harness")
-    b.add_argument("--out", default=str(DEFAULT_OUT), help=f"results folder (default {DEFAULT_OUT})")
-    b.add_argument("--model", default="smollm2-135m-instruct")
-    b.add_argument("--policies", nargs="*", default=None, help="default: every compared policy")
+    b.add_argument(
+        "--out",
+        default=None,
+        help="results folder (default: "
+        + ", ".join(f"{p} for {m}" for m, p in MODEL_OUT.items())
+        + f", else {DEFAULT_OUT}/<model>)",
+    )
+    b.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, or a local model folder (run in float32)",
+    )
+    b.add_argument(
+        "--policies",
+        nargs="*",
+        default=None,
+        help="default: every compared policy (accuracy: " + " ".join(ACCURACY_POLICIES) + ")",
+    )
+    b.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help=f"accuracy: samples per task (default {DEFAULT_SAMPLES}; --quick {QUICK_SAMPLES})",
+    )
+    b.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS, help="accuracy: tasks to run")
     b.add_argument("--reps", type=int, default=None, help="prompts per policy (default: link 5, sync 3)")
-    b.add_argument("--max-tokens", type=int, default=24, help="accuracy: answer length")
+    b.add_argument("--max-tokens", type=int, default=24, help="accuracy: answer length (gold-answer tasks)")
+    b.add_argument(
+        "--open-max-tokens",
+        type=int,
+        default=None,
+        help=f"accuracy: answer length of the open-ended task (default {OPEN_MAX_TOKENS}; "
+        f"--quick {QUICK_OPEN_MAX_TOKENS})",
+    )
     b.add_argument("--chunks", type=int, default=8, help="link: chunks per prompt")
     b.add_argument("--chunk-tokens", type=int, default=512, help="link and store: tokens per chunk")
     b.add_argument("--loads", type=int, default=20, help="store: loads per tier")
@@ -160,7 +200,7 @@ def register(sub) -> None:
         if args.what == "report":
             from .report import write_report
 
-            print(write_report(Path(args.out)))
+            print(write_report(Path(args.out) if args.out else default_out(args.model)))
         else:
             print(run(args))
         return 0

@@ -1,6 +1,6 @@
 """What every benchmark shares: machine facts and the command line for the record, result files
-(`<out>/<name>.json` + `<out>/<name>.md`), medians and percentiles, the pydoc text chunks the timings run
-on, and compiling chunks outside the timed runs."""
+(`<out>/<name>.json` + `<out>/<name>.md`), medians and percentiles, and the pydoc text chunks the timings
+run on."""
 
 from __future__ import annotations
 
@@ -15,10 +15,16 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..corpus import pydoc_documents
-from ..policy import parse_policy
 
 # ---------------------------------------------------------------------- the record
 DEFAULT_OUT = Path("docs/bench")
+# Results of other models go to a folder of their own under DEFAULT_OUT.
+MODEL_OUT = {"smollm2-135m-instruct": DEFAULT_OUT, "qwen2.5-coder-0.5b-instruct": DEFAULT_OUT / "qwen"}
+
+
+def default_out(model: str) -> Path:
+    """Where a model's results go when --out is not given."""
+    return MODEL_OUT.get(model, DEFAULT_OUT / Path(model).name)
 
 
 def machine() -> dict:
@@ -99,11 +105,3 @@ def corpus_chunks(tokenizer, n: int, chunk_tokens: int, offset: int = 0) -> list
     if need > len(ids):
         raise ValueError(f"corpus has {len(ids)} tokens, {need} needed")
     return [tokenizer.decode(ids[(offset + i) * chunk_tokens : (offset + i + 1) * chunk_tokens]) for i in range(n)]
-
-
-def compile_for(engine, chunks: list[str], policies) -> None:
-    """Compile chunks in every form the policies link, outside timed runs. Policies that link the same
-    form find it in the store: only the first compiles."""
-    for p in dict.fromkeys(policies):
-        if parse_policy(p).links_chunks:
-            engine.compile(chunks, policy=p)

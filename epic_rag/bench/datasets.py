@@ -4,6 +4,8 @@
   lengths x depths, 512-token chunks), with a random 7-digit passcode as the needle.
 - Multi-document QA generated with `hard-needle`: a document with several confusable facts
   (project codes, deadlines, budgets, leads), split into chunks; the question asks for one of them.
+
+The pydoc sets (docs-QA, open-ended) are in pydocqa.py.
 """
 
 from __future__ import annotations
@@ -40,41 +42,45 @@ def _split_tokens(tokenizer, ids: list[int], chunk_tokens: int) -> list[str]:
 
 def needle_samples(
     tokenizer,
+    n: int = 60,
     lengths=(1024, 2048, 3584),
     depths=(0.1, 0.3, 0.5, 0.7, 0.9),
-    per_cell: int = 4,
     chunk_tokens: int = 512,
     seed: int = 0,
 ) -> list[Sample]:
+    """`n` samples spread over the lengths x depths grid, cell by cell; each from its own seeded generator,
+    so sample i is the same whatever n is."""
     text = essays_text()
     hay = tokenizer.encode(text, add_special_tokens=False)
-    rng = random.Random(seed)
+    cells = [(L, d) for L in lengths for d in depths]
     out = []
-    for L in lengths:
-        for d in depths:
-            for j in range(per_cell):
-                code = f"{rng.randrange(10**6, 10**7)}"
-                place = rng.choice(["Larkspur", "Tovin", "Marrow", "Quillon", "Ostrand", "Velloway"])
-                needle = f" The secret passcode to enter the {place} archive is {code}. "
-                start = rng.randrange(0, len(hay) - L - 1)
-                window = hay[start : start + L]
-                # insert after the sentence ending nearest the depth, never mid-word
-                hay_text = tokenizer.decode(window)
-                at = hay_text.find(". ", int(d * len(hay_text)))
-                at = at + 1 if at >= 0 else len(hay_text)
-                full_text = hay_text[:at] + needle + hay_text[at:].lstrip()
-                ids = tokenizer.encode(full_text, add_special_tokens=False)
-                out.append(
-                    Sample(
-                        id=f"niah-{L}-{d:.1f}-{j}",
-                        task="niah",
-                        chunks=_split_tokens(tokenizer, ids, chunk_tokens),
-                        question=f"What is the secret passcode to enter the {place} archive?",
-                        answer=code,
-                        answer_prefix=f"The secret passcode to enter the {place} archive is",
-                        meta={"length": L, "depth": d},
-                    )
-                )
+    for i in range(n):
+        L, d = cells[i % len(cells)]
+        j = i // len(cells)
+        sid = f"niah-{L}-{d:.1f}-{j}"
+        rng = random.Random(f"{seed}:{sid}")
+        code = f"{rng.randrange(10**6, 10**7)}"
+        place = rng.choice(["Larkspur", "Tovin", "Marrow", "Quillon", "Ostrand", "Velloway"])
+        needle = f" The secret passcode to enter the {place} archive is {code}. "
+        start = rng.randrange(0, len(hay) - L - 1)
+        window = hay[start : start + L]
+        # insert after the sentence ending nearest the depth, never mid-word
+        hay_text = tokenizer.decode(window)
+        at = hay_text.find(". ", int(d * len(hay_text)))
+        at = at + 1 if at >= 0 else len(hay_text)
+        full_text = hay_text[:at] + needle + hay_text[at:].lstrip()
+        ids = tokenizer.encode(full_text, add_special_tokens=False)
+        out.append(
+            Sample(
+                id=sid,
+                task="niah",
+                chunks=_split_tokens(tokenizer, ids, chunk_tokens),
+                question=f"What is the secret passcode to enter the {place} archive?",
+                answer=code,
+                answer_prefix=f"The secret passcode to enter the {place} archive is",
+                meta={"length": L, "depth": d},
+            )
+        )
     return out
 
 
@@ -93,7 +99,7 @@ def multidoc_samples(
         prefix = q.replace("What is the", "The").replace("Who is the", "The").rstrip("?") + " is"
         out.append(
             Sample(
-                id=f"mdqa-{i}",
+                id=f"mdqa-{ctx_tokens}-{i}",
                 task="multidoc",
                 chunks=_split_tokens(tokenizer, ids, chunk_tokens),
                 question=q,

@@ -8,7 +8,7 @@ import resource
 import time
 
 from ..types import RagRequest
-from .common import compile_for, corpus_chunks, median, percentile
+from .common import corpus_chunks, median, percentile
 
 # EPIC's comparison: every policy in the accuracy and synchronous tables; the load tests keep four.
 COMPARED_POLICIES = [
@@ -38,7 +38,7 @@ def sync_latency(
     for ctx in contexts:
         n = max(1, ctx // chunk_tokens)
         chunks = corpus_chunks(engine.tokenizer, n, chunk_tokens)
-        compile_for(engine, chunks, policies)
+        engine.compile(chunks)
         orders = [rng.sample(chunks, n) for _ in range(reps)]
         samples = {p: [] for p in policies}
         info = {}
@@ -130,7 +130,7 @@ def async_load(
     from tqdm import tqdm
 
     pool = corpus_chunks(engine.tokenizer, pool_size, chunk_tokens, offset=16)
-    compile_for(engine, pool, policies)
+    engine.compile(pool)
     rows = []
     bar = tqdm(total=len(rates) * len(policies), desc="async load", disable=not progress)
     for p in policies:
@@ -158,7 +158,7 @@ def scaling(
     bar = tqdm(total=len(counts) * len(policies), desc="scaling", disable=not progress)
     for n in counts:
         chunks = corpus_chunks(engine.tokenizer, n, chunk_tokens, offset=40)
-        compile_for(engine, chunks, policies)
+        engine.compile(chunks)
         for p in policies:
             engine.generate(RagRequest(question=QUESTION, chunks=chunks), max_tokens=1, policy=p)
             ts = []

@@ -39,3 +39,25 @@ def first_line(text: str) -> str:
     """The first sentence (or line) of an answer: small models keep talking after answering."""
     text = text.strip().split("\n", 1)[0]
     return re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0]
+
+
+def name_match(prediction: str, name: str) -> float:
+    """1.0 when `name` appears as a whole identifier ("dumps" in "json.dumps()", never in "dumpsx" or
+    "loads" for "load"), case-sensitive as Python names are."""
+    return float(re.search(rf"(?<!\w){re.escape(name)}(?!\w)", prediction) is not None)
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
+
+
+def is_degenerate(text: str, ngram: int = 4, repeats: int = 3, sentence_words: int = 5) -> bool:
+    """True for an answer caught in a loop: a sentence of at least `sentence_words` words said twice, or a
+    word n-gram (`ngram` words) occurring `repeats` or more times. Words only, so code punctuation and
+    Markdown table rules do not count as repetition."""
+    sentences = [" ".join(re.findall(r"\w+", s.lower())) for s in _SENTENCE_END.split(text)]
+    seen = Counter(s for s in sentences if len(s.split()) >= sentence_words)
+    if any(c >= 2 for c in seen.values()):
+        return True
+    words = re.findall(r"\w+", text.lower())
+    grams = Counter(tuple(words[i : i + ngram]) for i in range(len(words) - ngram + 1))
+    return any(c >= repeats for c in grams.values())
