@@ -260,3 +260,13 @@ def test_compile_of_stored_chunks_checks_existence_without_loading(tiny_engine, 
     tiny_engine.compile(CHUNKS)
     monkeypatch.setattr(tiny_engine.store, "get", lambda key: pytest.fail("compile loaded stored KV"))
     assert [r.key for r in tiny_engine.compile(CHUNKS)]
+
+
+def test_full_and_prefix_read_chunk_tokens_without_loading_chunk_kv(tiny_engine, monkeypatch):
+    refs = tiny_engine.compile(CHUNKS)
+    bare = [ChunkRef(r.key, r.num_tokens) for r in refs]  # no text: tokens come from the engine's token index
+    expected = tiny_engine.generate(_req(), max_tokens=2, policy="full").prompt_tokens
+    monkeypatch.setattr(tiny_engine.store, "get", lambda key: pytest.fail("a policy without links loaded KV"))
+    for pol in ("full", "prefix"):
+        for chunks in (refs, bare):
+            assert tiny_engine.generate(_req(chunks), max_tokens=2, policy=pol).prompt_tokens == expected

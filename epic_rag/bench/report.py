@@ -169,6 +169,30 @@ def accuracy_plot(out: Path, acc: dict) -> str | None:
     return "accuracy.png"
 
 
+def _policies(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["policy"] for r in rows))
+
+
+def _line_plot(
+    out: Path, name: str, series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, title: str
+) -> str:
+    """One line per policy (points (x, y)), saved as out/name; returns name."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pts in series.items():
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def _plots(out: Path, sync, asyn, acc, model: str) -> list[str]:
     import matplotlib
 
@@ -193,33 +217,23 @@ def _plots(out: Path, sync, asyn, acc, model: str) -> list[str]:
         plt.close(fig)
         made.append("ttft_vs_accuracy.png")
     if sync:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for p in dict.fromkeys(r["policy"] for r in sync):
-            pts = sorted((r["prompt_tokens"], r["ttft_median_s"]) for r in sync if r["policy"] == p)
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("TTFT median (s)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        ax.set_title("TTFT vs context")
-        fig.tight_layout()
-        fig.savefig(out / "ttft_vs_context.png", dpi=110)
-        plt.close(fig)
-        made.append("ttft_vs_context.png")
+        pts = {
+            p: sorted((r["prompt_tokens"], r["ttft_median_s"]) for r in sync if r["policy"] == p)
+            for p in _policies(sync)
+        }
+        made.append(_line_plot(out, "ttft_vs_context.png", pts, "prompt tokens", "TTFT median (s)", "TTFT vs context"))
     if asyn:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for p in dict.fromkeys(r["policy"] for r in asyn):
-            pts = [(r["rate"], r["throughput_rps"]) for r in asyn if r["policy"] == p]
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
-        ax.set_xlabel("offered load (req/s)")
-        ax.set_ylabel("completed (req/s)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        ax.set_title("Throughput vs request rate")
-        fig.tight_layout()
-        fig.savefig(out / "throughput_vs_rate.png", dpi=110)
-        plt.close(fig)
-        made.append("throughput_vs_rate.png")
+        pts = {p: [(r["rate"], r["throughput_rps"]) for r in asyn if r["policy"] == p] for p in _policies(asyn)}
+        made.append(
+            _line_plot(
+                out,
+                "throughput_vs_rate.png",
+                pts,
+                "offered load (req/s)",
+                "completed (req/s)",
+                "Throughput vs request rate",
+            )
+        )
     return made
 
 
