@@ -229,3 +229,14 @@ def test_summary_and_markdown():
     assert "| 0/9 | 0.004 |" in md and "![accuracy per policy](accuracy.png)" in md
     assert "## open" in md and "| naive | 4 |" in md
     assert accuracy_section(acc)[0].startswith("## Accuracy")
+
+
+def test_bench_samples_take_one_count_or_a_count_per_task():
+    from epic_rag.bench.cli import parse_args, samples_per_task
+
+    assert samples_per_task(parse_args(["accuracy"]).samples) is None
+    assert samples_per_task(parse_args(["accuracy", "--samples", "30"]).samples) == 30
+    per = samples_per_task(parse_args(["accuracy", "--samples", "30", "open=12", "niah=15"]).samples)
+    assert per == {"niah": 15, "multidoc": 30, "docsqa": 30, "open": 12}
+    with pytest.raises(SystemExit):
+        parse_args(["accuracy", "--samples", "weather=3"])

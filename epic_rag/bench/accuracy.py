@@ -47,14 +47,17 @@ def sample_segments(tokenizer, s: Sample) -> list:
     return segs
 
 
-def build_samples(tokenizer, n: int | None = None, quick: bool = False, tasks=TASKS) -> list[Sample]:
-    """`n` samples per task (default DEFAULT_SAMPLES, QUICK_SAMPLES in quick mode, at small sizes)."""
+def build_samples(tokenizer, n: int | dict[str, int] | None = None, quick: bool = False, tasks=TASKS) -> list[Sample]:
+    """`n` samples per task, or a count per task (default DEFAULT_SAMPLES, QUICK_SAMPLES in quick mode, at
+    small sizes)."""
     from .pydocqa import PYDOC_MODULES, docsqa_samples, open_samples
 
-    n = n if n is not None else (QUICK_SAMPLES if quick else DEFAULT_SAMPLES)
+    per_task = n if isinstance(n, dict) else {}
+    default = n if isinstance(n, int) else (QUICK_SAMPLES if quick else DEFAULT_SAMPLES)
     modules = QUICK_MODULES if quick else tuple(PYDOC_MODULES)
     out: list[Sample] = []
     for task in tasks:
+        n = per_task.get(task, default)
         if task == "niah":
             kw = dict(lengths=(512,), depths=(0.3, 0.7), chunk_tokens=128) if quick else {}
             out += needle_samples(tokenizer, n=n, **kw)

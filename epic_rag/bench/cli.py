@@ -100,7 +100,7 @@ def run(args: argparse.Namespace, engine=None) -> Path:
             out,
             model,
             policies=pols,
-            samples=args.samples,
+            samples=samples_per_task(args.samples),
             quick=q,
             tasks=tuple(args.tasks),
             max_tokens=args.max_tokens,
@@ -169,9 +169,11 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument(
         "--samples",
-        type=int,
+        nargs="+",
+        type=_samples_arg,
         default=None,
-        help=f"accuracy: samples per task (default {DEFAULT_SAMPLES}; --quick {QUICK_SAMPLES})",
+        metavar="N|TASK=N",
+        help=f"accuracy: samples per task (default {DEFAULT_SAMPLES}; --quick {QUICK_SAMPLES}); TASK=N sets one task's",
     )
     b.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS, help="accuracy: tasks to run")
     b.add_argument("--reps", type=int, default=None, help="prompts per policy (default: link 5, sync 3)")
@@ -188,6 +190,22 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--loads", type=int, default=20, help="store: loads per tier")
     b.add_argument("--compiles", type=int, default=5, help="store: fresh chunks compiled for the compile time")
     b.add_argument("--no-progress", action="store_true")
+
+
+def _samples_arg(text: str) -> tuple[str | None, int]:
+    task, _, n = text.rpartition("=")
+    if task and task not in TASKS or not n.isdigit() or int(n) < 1:
+        raise argparse.ArgumentTypeError(f"expected N or TASK=N with TASK in {', '.join(TASKS)}, got {text!r}")
+    return task or None, int(n)
+
+
+def samples_per_task(items: list[tuple[str | None, int]] | None) -> int | dict[str, int] | None:
+    """--samples as build_samples takes it: None, one count for every task, or a count per task."""
+    if not items:
+        return None
+    default = next((n for t, n in items if t is None), DEFAULT_SAMPLES)
+    per = {t: n for t, n in items if t is not None}
+    return {t: per.get(t, default) for t in TASKS} if per else default
 
 
 def register(sub) -> None:
