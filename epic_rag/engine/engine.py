@@ -14,7 +14,7 @@ from ..config import EngineConfig
 from ..keys import kv_fingerprint
 from ..matching import ChunkTextIndex
 from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
-from ..policy import SINK_LEN, parse_policy
+from ..policy import CHUNK_VARIANT, SINK_LEN, parse_policy
 from ..prompt import assemble, encode_text, to_segments
 from ..store import open_store
 from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Sampling, Segment
@@ -58,8 +58,9 @@ class EpicEngine:
         self.chunks.store = store
 
     # ------------------------------------------------------------------ compile
-    def chunk_key(self, token_ids: Sequence[int], variant: str = "plain") -> str:
-        """Content-derived key: model, tokenizer and KV dtype fingerprint, compile variant, tokens."""
+    def chunk_key(self, token_ids: Sequence[int], variant: str = CHUNK_VARIANT) -> str:
+        """Content-derived key (model, tokenizer and KV dtype fingerprint, compile variant, tokens): by default
+        the key `compile` stores a chunk of these tokens under."""
         return self.chunks.key(token_ids, variant)
 
     def compile(self, chunks: Sequence[str], policy: str | None = None, batch_size: int = 32) -> list[ChunkRef]:
