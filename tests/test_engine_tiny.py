@@ -270,3 +270,10 @@ def test_full_and_prefix_read_chunk_tokens_without_loading_chunk_kv(tiny_engine,
     for pol in ("full", "prefix"):
         for chunks in (refs, bare):
             assert tiny_engine.generate(_req(chunks), max_tokens=2, policy=pol).prompt_tokens == expected
+
+
+def test_sampling_keywords_beside_a_prepared_request_are_an_error_not_ignored(tiny_engine):
+    prep = tiny_engine.prepare(_req(), max_tokens=3, policy="full")
+    with pytest.raises(ValueError, match="max_tokens"):
+        tiny_engine.generate(prep, max_tokens=50)
+    assert len(tiny_engine.generate(prep).token_ids) <= 3

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hmac
 import json
@@ -194,8 +195,8 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
     """The demo app. Pass a ready engine (tests share one), or attach one later with
     app.state.demo.attach_engine(engine) (the CLI serves /healthz while the engine loads)."""
     cfg = config or DemoConfig()
-    if engine is not None:  # the model actually served is the engine's
-        cfg.model = str(engine.config.model)
+    if engine is not None:  # the model actually served is the engine's (the caller's config is left as it is)
+        cfg = dataclasses.replace(cfg, model=str(engine.config.model))
     state = DemoState(cfg, encoder)
 
     @contextlib.asynccontextmanager

@@ -123,6 +123,8 @@ class EpicEngine:
     def _start(self, request: Request, sink, **sampling: Unpack[Sampling]) -> RequestRun:
         """Prepare, resolve chunk KV (compiling misses), post the link job and submit to vLLM."""
         t0 = time.perf_counter()
+        if isinstance(request, PreparedRequest) and sampling:  # never dropped silently
+            raise ValueError(f"{', '.join(sampling)}: give these to prepare(); a PreparedRequest already has them")
         prep = self.prepare(request, **sampling)
         pol, job, kv_params, hits, misses, keys = prep.policy, None, None, 0, 0, []
         if pol.links_chunks and prep.chunks:
