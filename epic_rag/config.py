@@ -24,9 +24,14 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.3  # CPU: fraction of the NUMA node's RAM vLLM may take
     max_num_batched_tokens: int = 4096
     seed: int = 0
+    # What every chunk is compiled behind: "template" (the default prompt up to its first document) or
+    # "sink" (the sink token alone: EPIC's reference compile, [BOS] + chunk from position 0). Part of the keys.
+    compile_lead: str = "template"
 
     def __post_init__(self) -> None:
         parse_policy(self.policy)
+        if self.compile_lead not in ("template", "sink"):
+            raise ValueError(f"compile_lead must be 'template' or 'sink', got {self.compile_lead!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len < 16:

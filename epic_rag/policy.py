@@ -1,8 +1,9 @@
 """Link policies, parsed from strings such as "legolink-16", "legolink-epic-16" or "cacheblend-15".
 
 Every linking policy links the same compiled form of a chunk, so a corpus compiled once serves them all:
-the chunk compiled from position 0 behind SINK_LEN sink tokens (the tokenizer's BOS, or EOS where it has
-none), whose KV is kept in the stored record. Policies differ in whether the sink stays in the prompt:
+the chunk compiled behind the compile lead (`prompt.compile_lead`: the default prompt up to its first
+document), whose first token is the sink; the record keeps the sink's KV (moved next to the chunk) and the
+chunk's. Policies differ in whether the sink stays in the prompt:
 - kept (EPIC's reference form, also how EPIC's and CacheBlend's baselines compile chunks): the prompt holds
   [sink] + chunk per chunk; `legolink-epic-<k>` recomputes the first k of those tokens (k counts the sink),
   `naive` recomputes none, `cacheblend-<r>` blends them;
@@ -21,8 +22,7 @@ from typing import Literal
 Kind = Literal["full", "prefix", "naive", "legolink", "cacheblend"]
 Form = Literal["epic", "sink"]
 
-SINK_LEN = 1  # sink tokens compiled before every chunk (their KV is stored)
-CHUNK_VARIANT = f"sink{SINK_LEN}"  # the compile variant of every chunk (part of its key)
+SINK_LEN = 1  # sink tokens kept in a chunk's record (the compile lead's first token)
 DEFAULT_LEGOLINK_FORM: Form = "sink"
 
 

@@ -46,6 +46,25 @@ def render_request(tokenizer, req: RagRequest) -> list[Segment]:
     return segments
 
 
+def compile_lead(tokenizer, kind: str = "template") -> list[int]:
+    """The tokens every chunk is compiled behind. "template": the default RagRequest prompt up to its first
+    document (chat template, default system prompt, instruction, "Document 1:"), so a chunk's KV is computed
+    in the context it is linked into (the shared-prefix recipe of CacheBlend's and APE's chunk encoders),
+    not as the start of a conversation; its first token is the chunk's sink. "sink", or a tokenizer without
+    a chat template: the BOS alone (EOS where there is none), EPIC's reference compile."""
+    lead = None
+    if kind == "template":
+        try:
+            lead = render_request(tokenizer, RagRequest(question="?", chunks=["?"]))[0]
+        except Exception:  # no chat template: a bare sink token
+            lead = None
+    ids = encode_text(tokenizer, lead) if isinstance(lead, str) else []
+    if not ids:
+        sink = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        ids = [sink]
+    return ids
+
+
 def check_chunk_text(text: object) -> str:
     if not isinstance(text, str):
         raise ValueError(f"chunk must be a string or ChunkRef, got {type(text).__name__}")

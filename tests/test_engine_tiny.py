@@ -45,14 +45,25 @@ def test_epic_form_legolink_with_k_at_least_span_length_equals_full_over_its_sin
     assert linked.token_ids == full.token_ids
 
 
-def test_single_chunk_at_position_zero_equals_exact_prefix(tiny_engine):
-    # The compiled record ([sink] + chunk at 0) is exactly the KV of the prompt's prefix: naive linking
-    # (no recompute) is exact.
-    segs = [Chunk(CHUNKS[2]), "\n# what does push do?\n"]
-    full = _full_on_same_tokens(tiny_engine, segs, "naive", 16)
-    linked = tiny_engine.generate(segs, max_tokens=16, policy="naive")
-    assert linked.linked_tokens > 0 and linked.recomputed_tokens < full.recomputed_tokens
+def test_chunk_linked_behind_the_default_prompt_equals_full_with_no_recompute(tiny_engine):
+    # Chunks are compiled behind the compile lead (the default prompt up to its first document), so the
+    # first document of a default RagRequest sits exactly where its KV was computed: linking it with no
+    # recompute (legolink-0) is exact, the sink's KV included nowhere.
+    req = _req(CHUNKS[2:])
+    full = tiny_engine.generate(req, max_tokens=16, policy="full")
+    linked = tiny_engine.generate(req, max_tokens=16, policy="legolink-0")
+    assert linked.linked_tokens >= len(tiny_engine.chunks.place(Chunk(CHUNKS[2])).token_ids)
     assert linked.token_ids == full.token_ids
+
+
+def test_compile_lead_is_the_default_prompt_up_to_its_first_document(tiny_engine):
+    from epic_rag.prompt import compile_lead, encode_text, render_request
+
+    tok = tiny_engine.tokenizer
+    lead = encode_text(tok, render_request(tok, _req(CHUNKS[:1]))[0])
+    assert tiny_engine.chunks.lead == compile_lead(tok) == lead
+    assert lead[0] == tok.bos_token_id and len(lead) > 8
+    assert compile_lead(tok, "sink") == [tok.bos_token_id]  # EPIC's reference: the sink alone
 
 
 def test_sink_form_chunk_at_position_zero_links_with_a_negative_shift(tiny_engine):
@@ -104,7 +115,7 @@ def test_linked_kv_never_served_to_exact_requests(tiny_engine):
 def test_one_compile_without_a_policy_serves_every_policy_with_no_misses(tiny_engine):
     chunks = [c.replace("a", "q") for c in CHUNKS]  # texts no other test compiled
     refs = tiny_engine.compile(chunks)
-    assert all(r.key.startswith(f"sink{SINK_LEN}-") for r in refs)
+    assert all(r.key.startswith(f"{tiny_engine.chunks.variant}-") for r in refs)
     for pol in (
         "legolink-0",
         "legolink-2",

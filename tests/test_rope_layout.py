@@ -127,7 +127,7 @@ def test_chunk_keys_change_with_model_tokenizer_dtype_variant_and_tokens():
     assert chunk_key(kv_fingerprint("model-b", "tok-a", "torch.float32"), [1, 2, 3]) != k
     assert chunk_key(kv_fingerprint("model-a", "tok-b", "torch.float32"), [1, 2, 3]) != k
     assert chunk_key(kv_fingerprint("model-a", "tok-a", "torch.bfloat16"), [1, 2, 3]) != k
-    assert chunk_key(base, [1, 2, 3], "sink1") != k
+    assert chunk_key(base, [1, 2, 3], "lead0a1b2c3d") != k
     assert chunk_key(base, [1, 2, 4]) != k and chunk_key(base, [3, 2, 1]) != k
 
 
@@ -235,3 +235,16 @@ def test_amx_bf16_layout_is_probed_and_its_kernel_attention_equals_masked_attent
     ref = _reference_attention(q.float(), K.float(), V.float(), R, attn.impl.scale)
     assert torch.allclose(out.view(len(R), Hq, D).float(), ref, atol=3e-2)
     assert torch.equal(layout.read_range(cache, block_ids, 0, T)[0], K)
+
+
+@pytest.mark.parametrize("lead", [1, 5])
+@pytest.mark.parametrize("steps", [[(0, 12)], [(0, 3), (3, 7), (7, 12)], [(0, 1), (1, 5), (5, 12)]])
+def test_capture_keeps_the_sink_and_the_chunk_whatever_the_prefill_steps(lead, steps):
+    from epic_rag.engine.board import Capture
+
+    # Prompt [lead] + chunk of 12 - lead tokens; the record keeps position 0 and positions lead.. in order.
+    cap = Capture(k=torch.empty(1, 12 - lead + 1), v=torch.empty(1, 12 - lead + 1), lead=lead)
+    got = [p for a, b in steps for first, stop, at in cap.kept(a, b) for p in range(first, stop)]
+    at = [i for a, b in steps for first, stop, i0 in cap.kept(a, b) for i in range(i0, i0 + stop - first)]
+    want = [0] + list(range(max(lead, 1), 12))
+    assert got == want and at == list(range(len(want)))

@@ -14,6 +14,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from ..policy import parse_policy
 from ..prompt import render_request
 from ..types import RagRequest
 from .datasets import Sample, multidoc_samples, needle_samples
@@ -84,15 +85,30 @@ def _score(s: Sample, text: str) -> dict:
     return {"substring": hit, "f1": token_f1(pred, s.answer), "rouge_l": rouge_l(pred, s.answer)}
 
 
-def load_rows(out: Path, setup: dict) -> tuple[list[dict], int]:
-    """Rows of `out` made with `setup` (per task: model, max_tokens, version), and how many others it holds."""
+OLD_COMPILE = "sink1"  # rows written before the compile form was recorded linked chunks compiled this way
+
+
+def row_setup(setup: dict, task: str, policy: str, compile_variant: str) -> dict:
+    """What a row's result depends on: the task's setup, and for a linking policy the chunks' compile form."""
+    want = dict(setup[task])
+    if parse_policy(policy).links_chunks:
+        want["compile"] = compile_variant
+    return want
+
+
+def load_rows(out: Path, setup: dict, compile_variant: str = OLD_COMPILE) -> tuple[list[dict], int]:
+    """Rows of `out` made with `setup` (per task: model, max_tokens, version; and for linking policies the
+    compile form), and how many others it holds."""
     rows, other = [], 0
     if out.exists():
         for line in out.read_text().splitlines():
             if not line.strip():
                 continue
             r = json.loads(line)
-            if r.get("setup") == setup.get(r.get("task")):
+            made = r.get("setup") or {}
+            if parse_policy(r["policy"]).links_chunks:
+                made = {"compile": OLD_COMPILE} | made
+            if r.get("task") in setup and made == row_setup(setup, r["task"], r["policy"], compile_variant):
                 rows.append(r)
             else:
                 other += 1
@@ -117,9 +133,10 @@ def run_accuracy(
         t: {"model": model, "max_tokens": open_max_tokens if t == "open" else max_tokens, "version": ROWS_VERSION}
         for t in TASKS
     }
-    rows, other = load_rows(out, setup)
+    variant = engine.chunks.variant
+    rows, other = load_rows(out, setup, variant)
     if other and progress:
-        print(f"{out}: {other} rows from another setup (model, answer length or harness version) are ignored")
+        print(f"{out}: {other} rows from another setup (model, answer length, compile form, harness version) ignored")
     done = {(r["id"], r["policy"]) for r in rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     todo = [(s, p) for s in samples for p in policies if (s.id, p) not in done]
@@ -137,7 +154,7 @@ def run_accuracy(
                     "id": s.id,
                     "task": s.task,
                     "policy": p,
-                    "setup": setup[s.task],
+                    "setup": row_setup(setup, s.task, p, variant),
                     "meta": s.meta,
                     "question": s.question,
                     "answer": s.answer,
@@ -299,6 +316,7 @@ def run(
         "policies": policies,
         "max_tokens": max_tokens,
         "open_max_tokens": open_max_tokens,
+        "compile_lead": engine.chunks.variant,
         "reference": REFERENCE,
         "stats": {"ci": "95% Wilson (rates), 95% paired bootstrap, 10k resamples, seed 0 (differences, means)"},
         "gen_seconds_median": gen_seconds(rows),

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, engine=None) -> Path:
             if what == "store"
             else dict(max_model_len=8192, kv_cache_gib=4)
         )
-        engine = EpicEngine(EngineConfig(model=args.model, dtype="float32", **size))
+        engine = EpicEngine(EngineConfig(model=args.model, dtype="float32", compile_lead=args.compile_lead, **size))
     model = f"{args.model} ({engine.dtype}, vLLM CPU)" if own else str(engine.model_dir)
     q = args.quick
     pols = args.policies
@@ -189,6 +189,13 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--chunk-tokens", type=int, default=512, help="link and store: tokens per chunk")
     b.add_argument("--loads", type=int, default=20, help="store: loads per tier")
     b.add_argument("--compiles", type=int, default=5, help="store: fresh chunks compiled for the compile time")
+    b.add_argument(
+        "--compile-lead",
+        choices=("template", "sink"),
+        default="template",
+        help="what chunks are compiled behind: the default prompt up to its first document (template), or the "
+        "sink token alone (EPIC's reference compile); rows record it",
+    )
     b.add_argument("--no-progress", action="store_true")
 
 

@@ -97,6 +97,12 @@ def accuracy_section(acc: dict) -> list[str]:
     return md
 
 
+def _lead_text(variant: str) -> str:
+    if variant.startswith("sink"):
+        return f"the sink token alone (`{variant}`, EPIC's reference compile)"
+    return f"the default prompt up to its first document (`{variant}`, the compile lead)"
+
+
 def accuracy_markdown(acc: dict, plot: str | None) -> str:
     """accuracy.md: every table with the command, model, machine and settings that made it."""
     md = [
@@ -107,6 +113,7 @@ def accuracy_markdown(acc: dict, plot: str | None) -> str:
         "Samples per task: " + ", ".join(f"{t} {k}" for t, k in acc["samples_per_task"].items()) + "  ",
         f"Answers: temperature 0, at most {acc['max_tokens']} tokens (open-ended {acc['open_max_tokens']}); "
         "every policy on the same prompts.  ",
+        f"Chunks compiled behind: {_lead_text(acc.get('compile_lead', 'sink1'))}.  ",
         f"Statistics: {acc['stats']['ci']}; exact McNemar on the pairs where a policy and {acc['reference']} "
         "differ. right/wrong: samples the policy gets right where the reference is wrong, and the reverse.",
         "",

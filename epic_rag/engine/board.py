@@ -72,12 +72,26 @@ class LinkJob:
 
 @dataclass(slots=True)
 class Capture:
-    """KV being captured from a compile request: k, v: [L, T, Hkv, D] for its prompt positions 0..T-1."""
+    """KV being captured from a compile request whose prompt is [lead] + chunk: k, v: [L, 1 + n, Hkv, D] keep
+    the lead's first token (the sink) and the chunk. The rest of the lead is shared glue, not stored. The
+    sink's key is moved to position lead-1, right before the chunk, so the record is one contiguous run
+    (a first token's KV does not depend on its position except through the key's rotation)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    lead: int = 1  # prompt tokens before the chunk (sink included)
     filled_to: int = 0  # prompt positions captured so far
     error: str | None = None
+
+    def kept(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """The kept parts of prompt positions [start, end): (first, stop, buffer index of first)."""
+        if self.lead <= 1:
+            return [(start, end, start)] if end > start else []
+        out = [(start, min(end, 1), start)] if start < 1 else []
+        first = max(start, self.lead)
+        if first < end:
+            out.append((first, end, first - self.lead + 1))
+        return [r for r in out if r[1] > r[0]]
 
 
 class Board:

@@ -1,16 +1,19 @@
 """Chunk resolution: find each chunk's tokens and KV, compiling the missing ones in vLLM batches.
 
-Compile = a chunk submitted to vLLM from position 0 behind its sink token (policy.py) as an ordinary request
-(max_tokens=1); the connector copies its freshly computed KV out of the paged cache into a Capture after the
-step, and the record ([sink] + chunk) is stored. Many callers wanting the same missing chunk compile it once.
+Compile = a chunk submitted to vLLM behind the compile lead (`prompt.compile_lead`: the default prompt up to
+its first document, whose first token is the sink) as an ordinary request (max_tokens=1); the connector copies
+the sink's and the chunk's freshly computed KV out of the paged cache into a Capture after the step, and the
+record ([sink] + chunk, see Capture) is stored. Many callers wanting the same missing chunk compile it once.
 The glue before a prompt's first chunk is compiled bare ("plain": it sits at position 0 in the prompt too).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import uuid
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -18,7 +21,7 @@ from concurrent.futures import Future
 import torch
 
 from ..keys import chunk_key
-from ..policy import CHUNK_VARIANT, SINK_LEN, Policy
+from ..policy import SINK_LEN, Policy
 from ..prompt import check_chunk_text, encode_text
 from ..store import ChunkKV, ChunkStore
 from ..types import Chunk, ChunkRef, PlacedChunk
@@ -35,12 +38,23 @@ class ChunkResolver:
     """Tokens and KV of chunks for one engine (model, tokenizer and KV dtype fixed by `fingerprint`)."""
 
     def __init__(
-        self, store: ChunkStore, runtime: Runtime, tokenizer, fingerprint: str, kv_info: dict, max_model_len: int
+        self,
+        store: ChunkStore,
+        runtime: Runtime,
+        tokenizer,
+        fingerprint: str,
+        kv_info: dict,
+        max_model_len: int,
+        lead: list[int],
     ) -> None:
         self.store, self.runtime, self.tokenizer = store, runtime, tokenizer
         self.fingerprint, self.kv_info, self.max_model_len = fingerprint, kv_info, max_model_len
-        bos = tokenizer.bos_token_id
-        self.sink_token = bos if bos is not None else tokenizer.eos_token_id
+        self.lead = lead  # every chunk is compiled behind these tokens (prompt.compile_lead)
+        self.sink_token = self.lead[0]
+        # The compile variant names the lead: another template or instruction never hits these records.
+        # (The sink alone keeps its historic name, so records compiled that way before stay valid.)
+        digest = hashlib.sha256(array("q", self.lead).tobytes()).hexdigest()[:8]
+        self.variant = f"sink{SINK_LEN}" if len(self.lead) == SINK_LEN else f"lead{digest}"
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()
@@ -52,7 +66,7 @@ class ChunkResolver:
         ids = encode_text(self.tokenizer, check_chunk_text(text))
         if not ids:
             raise ValueError("chunk text encodes to no tokens")
-        if len(ids) + SINK_LEN + 1 >= self.max_model_len:
+        if len(ids) + len(self.lead) + 1 >= self.max_model_len:
             raise ValueError(f"chunk of {len(ids)} tokens exceeds the context window ({self.max_model_len})")
         return ids
 
@@ -77,7 +91,7 @@ class ChunkResolver:
         kv = self.store.get(seg.key)
         if kv is None:
             raise ValueError(f"chunk {seg.key!r} is not in the store and carries no text to recompile")
-        ids = kv.token_ids[SINK_LEN:] if seg.key.startswith(CHUNK_VARIANT + "-") else kv.token_ids
+        ids = kv.token_ids[SINK_LEN:] if seg.key.startswith(self.variant + "-") else kv.token_ids
         self.remember(seg.key, ids)
         return PlacedChunk(ids, kv=kv)
 
@@ -86,9 +100,9 @@ class ChunkResolver:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         toks = [self.chunk_tokens(t) for t in texts]
-        keys = [self.key(tk, CHUNK_VARIANT) for tk in toks]
+        keys = [self.key(tk, self.variant) for tk in toks]
         # An existence check, not a load: re-compiling a stored corpus must not read all its KV back.
-        missing = [(tk, CHUNK_VARIANT) for tk, key in zip(toks, keys) if not self.store.contains(key)]
+        missing = [(tk, self.variant) for tk, key in zip(toks, keys) if not self.store.contains(key)]
         for i in range(0, len(missing), batch_size):
             self.resolve(missing[i : i + batch_size])
         for key, tk in zip(keys, toks):
@@ -98,7 +112,7 @@ class ChunkResolver:
     def link_spans(self, token_ids: list[int], chunks: list[PlacedChunk], policy: Policy) -> tuple[list[LinkSpan], int]:
         """The spans a request links under `policy`, compiling what is missing; and how many chunks were
         compiled here (misses)."""
-        wanted = [(c.token_ids, CHUNK_VARIANT) for c in chunks]
+        wanted = [(c.token_ids, self.variant) for c in chunks]
         known = {c.kv.key: c.kv for c in chunks if c.kv is not None}
         kvs, misses = self.resolve(wanted, known)
         # A record holds [sink] + chunk: the span starts at the sink where the prompt keeps it.
@@ -142,22 +156,25 @@ class ChunkResolver:
         info = self.kv_info
         L, H, D = info["num_layers"], info["num_kv_heads"], info["head_size"]
         kv_dtype = getattr(torch, info["kv_dtype"].removeprefix("torch."))
-        done: list[tuple[str, str, Capture, list[int], Future, threading.Event]] = []
+        done: list[tuple[str, str, Capture, list[int], list[int], Future, threading.Event]] = []
         try:
             for key, (fut, tokens, variant) in todo.items():
-                prompt = ([self.sink_token] * SINK_LEN if variant == CHUNK_VARIANT else []) + tokens
+                lead = self.lead if variant == self.variant else []
+                prompt = lead + tokens
+                record = lead[:SINK_LEN] + tokens  # the sink and the chunk (see Capture)
                 cap = Capture(
-                    k=torch.empty((L, len(prompt), H, D), dtype=kv_dtype),
-                    v=torch.empty((L, len(prompt), H, D), dtype=kv_dtype),
+                    k=torch.empty((L, len(record), H, D), dtype=kv_dtype),
+                    v=torch.empty((L, len(record), H, D), dtype=kv_dtype),
+                    lead=max(len(lead), 1),
                 )
                 cap_id = uuid.uuid4().hex
                 BOARD.post_capture(cap_id, cap)
                 ev = threading.Event()
-                done.append((key, cap_id, cap, prompt, fut, ev))
+                done.append((key, cap_id, cap, prompt, record, fut, ev))
                 self.runtime.submit_tokens(
                     prompt, event_sink(ev), max_tokens=1, kv_params={"epic": {"capture": cap_id}}
                 )
-            for key, cap_id, cap, prompt, fut, ev in done:
+            for key, cap_id, cap, prompt, record, fut, ev in done:
                 ev.wait()
                 BOARD.pop_capture(cap_id)
                 err = getattr(ev, "error", None) or cap.error
@@ -165,14 +182,15 @@ class ChunkResolver:
                     err = f"captured {cap.filled_to} of {len(prompt)} tokens"
                 if err is not None:
                     raise RuntimeError(f"compiling chunk {key} failed: {err}")
-                kv = ChunkKV(key=key, token_ids=prompt, k=cap.k, v=cap.v, base_pos=0)
+                # keys at positions lead-1 (the sink, moved there) onwards
+                kv = ChunkKV(key=key, token_ids=record, k=cap.k, v=cap.v, base_pos=cap.lead - 1)
                 try:
                     self.store.put(kv)
                 except Exception:
                     log.exception("storing chunk %s failed; serving it from this compile", key)
                 fut.set_result(kv)
         except BaseException as e:
-            for _, _, _, _, fut, _ in done:
+            for *_, fut, _ in done:
                 if not fut.done():
                     fut.set_exception(e)
             for fut, _, _ in todo.values():

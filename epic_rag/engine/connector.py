@@ -207,7 +207,10 @@ class EpicConnector(KVConnectorBase_V1):
             if cap is None:
                 continue
             try:
-                self.linker.capture(spec.block_ids, spec.start, spec.end, cap.k, cap.v)
+                for first, stop, at in cap.kept(spec.start, spec.end):
+                    self.linker.capture(spec.block_ids, first, stop, cap.k, cap.v, at)
+                if spec.start == 0 and cap.lead > 1:  # the sink's key, rotated to sit right before the chunk
+                    cap.k[:, :1] = self.linker.rotator.rotate(cap.k[:, :1], cap.lead - 1).to(cap.k.dtype)
                 cap.filled_to = max(cap.filled_to, spec.end)
             except Exception as e:
                 log.exception("capturing %s failed", spec.req_id)

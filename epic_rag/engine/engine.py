@@ -14,8 +14,8 @@ from ..config import EngineConfig
 from ..keys import kv_fingerprint
 from ..matching import ChunkTextIndex
 from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
-from ..policy import CHUNK_VARIANT, SINK_LEN, parse_policy
-from ..prompt import assemble, encode_text, to_segments
+from ..policy import SINK_LEN, parse_policy
+from ..prompt import assemble, compile_lead, encode_text, to_segments
 from ..store import open_store
 from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Sampling, Segment
 from . import vllm_api
@@ -45,7 +45,8 @@ class EpicEngine:
         fp = kv_fingerprint(
             model_fingerprint(self.model_dir), tokenizer_fingerprint(self.tokenizer), self.kv_info["kv_dtype"]
         )
-        self.chunks = ChunkResolver(store, self.runtime, self.tokenizer, fp, self.kv_info, self.max_model_len)
+        lead = compile_lead(self.tokenizer, config.compile_lead)
+        self.chunks = ChunkResolver(store, self.runtime, self.tokenizer, fp, self.kv_info, self.max_model_len, lead)
         self.runtime.start()
 
     @property
@@ -58,10 +59,10 @@ class EpicEngine:
         self.chunks.store = store
 
     # ------------------------------------------------------------------ compile
-    def chunk_key(self, token_ids: Sequence[int], variant: str = CHUNK_VARIANT) -> str:
+    def chunk_key(self, token_ids: Sequence[int], variant: str | None = None) -> str:
         """Content-derived key (model, tokenizer and KV dtype fingerprint, compile variant, tokens): by default
         the key `compile` stores a chunk of these tokens under."""
-        return self.chunks.key(token_ids, variant)
+        return self.chunks.key(token_ids, variant or self.chunks.variant)
 
     def compile(self, chunks: Sequence[str], policy: str | None = None, batch_size: int = 32) -> list[ChunkRef]:
         """Compile chunk texts (skipping those already stored), `batch_size` per vLLM batch; returns refs in

@@ -194,9 +194,12 @@ class Linker:
         return h[idx], (residual[idx] if residual is not None else None), R[idx]
 
     @torch.inference_mode()
-    def capture(self, block_ids: list[int], start: int, end: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        """Copy positions [start, end) of a request's paged KV into k_out/v_out: [L, T, Hkv, D] at the same t."""
+    def capture(
+        self, block_ids: list[int], start: int, end: int, k_out: torch.Tensor, v_out: torch.Tensor, at: int
+    ) -> None:
+        """Copy positions [start, end) of a request's paged KV into k_out/v_out: [L, T, Hkv, D] from index at."""
+        n = end - start
         for li in range(len(self.layers)):  # straight into the chunk's buffers: [n, Hkv, D] per layer
             self.layout.read_range_into(
-                self.cache_of(li), block_ids, start, end, k_out[li, start:end], v_out[li, start:end]
+                self.cache_of(li), block_ids, start, end, k_out[li, at : at + n], v_out[li, at : at + n]
             )

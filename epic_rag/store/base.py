@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-# Keys are content hashes made by the engine ("plain-<hex>", "sink1-<hex>"). Tiers use them as file
+# Keys are content hashes made by the engine ("plain-<hex>", "lead<hash>-<hex>"). Tiers use them as file
 # names and Redis keys, so they are restricted to a safe alphabet ('@' is reserved for tier namespaces).
 _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 QUANTS = ("none", "int8")
