@@ -27,7 +27,6 @@ from apps.demo.config import DemoConfig
 from apps.demo.server import BackgroundServer, create_app
 from epic_rag import Chunk, ChunkRef, RagRequest
 from epic_rag.engine.board import BOARD
-from epic_rag.policy import SINK_LEN
 from epic_rag.prompt import encode_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,7 +222,7 @@ def test_prompt_one_token_below_the_window_still_answers_one_token(tiny_engine, 
 
 
 def test_chunk_at_the_compile_limit_compiles_and_one_over_is_refused(tiny_engine, reference):
-    limit = tiny_engine.max_model_len - SINK_LEN - 2  # sink token + one token kept for the answer
+    limit = tiny_engine.max_model_len - len(tiny_engine.chunks.lead) - 2  # the compile lead + one answer token
     (ref,) = tiny_engine.compile([_prompt_of(tiny_engine, limit)])
     assert ref.num_tokens == limit
     with pytest.raises(ValueError, match="context window"):
