@@ -43,6 +43,8 @@ class DemoConfig:
     max_body_bytes: int = 1 << 20  # JSON bodies
     max_upload_bytes: int = 10 << 20  # one uploaded document
     max_model_len: int = 8192
+    parse_cpu_s: int = 20  # CPU seconds one HTML/PDF extraction may use (in its worker process)
+    max_document_chars: int = 10 << 20  # characters per document after decoding/extraction
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser()
@@ -58,6 +60,8 @@ class DemoConfig:
             "max_messages",
             "max_body_bytes",
             "max_upload_bytes",
+            "parse_cpu_s",
+            "max_document_chars",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name == "top_k" else 1):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from epic_rag.corpus import DOC_SUFFIXES, Document, chunk_document, pydoc_documents, read_document
+from epic_rag.corpus import DOC_SUFFIXES, Document, ParseLimits, chunk_document, pydoc_documents, read_document
 from epic_rag.types import ChunkRef
 
 from .config import DemoConfig
@@ -135,6 +135,7 @@ class Library:
         self.busy: Callable[[], bool] = lambda: False
         self._emb_dir = config.data_dir / "embeddings"
         self._enc_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        self.parse_limits = ParseLimits(cpu_s=config.parse_cpu_s, max_chars=config.max_document_chars)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, engine) -> None:
@@ -176,7 +177,7 @@ class Library:
     def add_upload(self, filename: str, data: bytes) -> DocInfo:
         """Validate and save an uploaded document, then index and compile it in the background."""
         name = safe_upload_name(filename)
-        doc = read_document(name, data)  # ValueError on unsupported types, bad UTF-8, NUL bytes
+        doc = read_document(name, data, self.parse_limits)  # ValueError on anything it cannot read
         folder = self.cfg.uploads_dir
         folder.mkdir(parents=True, exist_ok=True)
         path = (folder / name).resolve()
@@ -287,10 +288,11 @@ class Library:
                 ):
                     continue
                 try:
-                    d = read_document(p.name, p.read_bytes())
-                except (ValueError, OSError) as e:
+                    d = read_document(p.name, p.read_bytes(), self.parse_limits)
+                except Exception as e:  # one unreadable file is skipped and reported, the corpus loads on
+                    log.warning("skipping corpus file %s: %s", rel, e)
                     with self._lock:
-                        self.progress.errors.append(str(e))
+                        self.progress.errors.append(f"{rel}: skipped ({type(e).__name__})")
                     continue
                 found.append((Document(rel, d.text), "corpus" if cfg.corpus_dir else "upload", p))
         with self._lock:

@@ -8,6 +8,7 @@ the cancellation reaches the engine's async generator, which aborts the request 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -54,6 +55,8 @@ class DemoState:
         self.started = time.time()
         self.active_chats = 0  # chat completions in flight (ingestion yields to them)
         self.library.busy = lambda: self.active_chats > 0
+        # Uploads wait on their parser process here, not in the default pool that chat requests need.
+        self.upload_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="epic-demo-upload")
 
     def attach_engine(self, engine) -> None:
         """Hand over a ready engine: the corpus starts loading in the background."""
@@ -203,6 +206,7 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
     async def lifespan(app):
         yield
         state.library.stop()
+        state.upload_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="epic-rag demo", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.demo = state
@@ -306,7 +310,8 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
         if len(data) > cfg.max_upload_bytes:
             raise HTTPException(413, f"document exceeds the upload limit of {cfg.max_upload_bytes} bytes")
         try:
-            info = await asyncio.to_thread(state.library.add_upload, file.filename or "", data)
+            add = functools.partial(state.library.add_upload, file.filename or "", data)
+            info = await asyncio.get_running_loop().run_in_executor(state.upload_pool, add)
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         return {"document": info.as_dict()}
