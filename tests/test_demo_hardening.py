@@ -66,3 +66,37 @@ def test_healthz_answers_within_a_second_while_the_worst_uploads_are_parsed(tmp_
             t.join(10)
         assert slowest[0] < 1.0, f"/healthz took {slowest[0]:.2f} s while uploads were parsed"
         assert app.state.demo.library.wait_ready(60)
+
+
+# ---------------------------------------------------------------------- 2. readiness
+def test_healthz_is_503_with_the_reason_while_the_engine_loads(tmp_path):
+    cfg = DemoConfig(corpus="builtin:pydoc:json", data_dir=tmp_path / "data", store="memory")
+    app = create_app(engine=None, config=cfg, encoder=HashEncoder())
+    server = BackgroundServer(app).start()
+    try:
+        r = httpx.get(server.url + "/healthz")
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert r.json()["status"] == "loading" and "loading" in r.json()["reason"]
+    finally:
+        server.stop()
+
+
+def test_healthz_and_chat_are_503_once_the_engine_thread_has_died(tmp_path):
+    from test_runtime_faults import ScriptedLLM
+
+    from epic_rag.engine.runtime import Runtime
+
+    engine = FakeEngine()
+    llm = ScriptedLLM()
+    engine.runtime = Runtime(llm)
+    engine.runtime.start()
+    with serve(tmp_path, engine=engine) as (server, client, app):
+        assert client.get("/healthz").status_code == 200
+        llm.fail = RuntimeError("device lost")
+        engine.runtime.submit("x", None, None, lambda d: None)  # the next step raises: the thread dies
+        engine.runtime._thread.join(5)
+        r = client.get("/healthz")
+        assert r.status_code == 503 and r.json()["status"] == "failed", r.text
+        assert "fatal error" in r.json()["reason"] and "device lost" not in r.text
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 503

@@ -292,7 +292,9 @@ class Library:
                 except Exception as e:  # one unreadable file is skipped and reported, the corpus loads on
                     log.warning("skipping corpus file %s: %s", rel, e)
                     with self._lock:
-                        self.progress.errors.append(f"{rel}: skipped ({type(e).__name__})")
+                        # a ValueError says what is wrong with the file; anything else may carry paths
+                        why = str(e) if isinstance(e, ValueError) else f"{rel}: unreadable ({type(e).__name__})"
+                        self.progress.errors.append(f"skipped {why}")
                     continue
                 found.append((Document(rel, d.text), "corpus" if cfg.corpus_dir else "upload", p))
         with self._lock:

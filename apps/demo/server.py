@@ -58,6 +58,13 @@ class DemoState:
         # Uploads wait on their parser process here, not in the default pool that chat requests need.
         self.upload_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="epic-demo-upload")
 
+    def not_ready(self) -> str | None:
+        """None when a chat completion can be served now; otherwise why not (loading, engine dead)."""
+        if self.engine is None:
+            return "the engine is still loading"
+        runtime = getattr(self.engine, "runtime", None)
+        return runtime.health() if runtime is not None else None
+
     def attach_engine(self, engine) -> None:
         """Hand over a ready engine: the corpus starts loading in the background."""
         self.engine = engine
@@ -250,13 +257,18 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
             raise HTTPException(
                 503, "the engine is still loading; retry in a few seconds", headers={"Retry-After": "5"}
             )
+        if state.not_ready():  # the engine thread died: restart the server
+            raise HTTPException(503, "the engine is not running; the server needs a restart")
         return state.engine
 
     # ------------------------------------------------------------------ open routes
     @app.get("/healthz")
     async def healthz():
-        return {
-            "status": "ok" if state.engine is not None else "loading",
+        # 200 only when a chat completion can be served: load balancers and clients may wait on it.
+        reason = state.not_ready()
+        body = {
+            "status": "ok" if reason is None else "loading" if state.engine is None else "failed",
+            "reason": reason,
             "model": cfg.served_model,
             "ingest": state.library.progress.state,
             "auth_required": cfg.api_key is not None,
@@ -269,6 +281,7 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
             "max_upload_bytes": cfg.max_upload_bytes,
             "uptime_s": round(time.time() - state.started, 1),
         }
+        return body if reason is None else JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
 
     @app.get("/", include_in_schema=False)
     async def page():
@@ -471,6 +484,8 @@ async def _complete(state: DemoState, engine, body: ChatCompletionRequest, plan:
             done, _ = await asyncio.wait({task}, timeout=0.25)
             if done:
                 break
+            if state.not_ready():  # the engine died under this request: do not wait on it
+                raise HTTPException(503, "the engine is not running; the server needs a restart")
             if await request.is_disconnected():  # nobody to answer: abort in the engine
                 task.cancel()
                 with contextlib.suppress(BaseException):
