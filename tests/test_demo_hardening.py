@@ -27,7 +27,7 @@ def serve(tmp_path, engine=None, **cfg_kw):
     )
     server = BackgroundServer(app).start()
     assert app.state.demo.library.wait_ready(30)
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    headers = {"Authorization": f"Bearer {cfg.api_key}".encode()} if cfg.api_key else {}
     client = httpx.Client(base_url=server.url, headers=headers, timeout=60)
     try:
         yield server, client, app
@@ -100,3 +100,99 @@ def test_healthz_and_chat_are_503_once_the_engine_thread_has_died(tmp_path):
         assert "fatal error" in r.json()["reason"] and "device lost" not in r.text
         chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert chat.status_code == 503
+
+
+# ---------------------------------------------------------------------- 3. no drive-by access
+EVIL = "https://evil.example"
+
+
+def test_another_site_cannot_upload_delete_or_chat_without_a_key(tmp_path):
+    with serve(tmp_path, allowed_origins=("https://app.example",)) as (server, client, app):
+        corpus = tmp_path / "corpus"
+        bad = {"Origin": EVIL}
+        # multipart needs no CORS preflight: a page could fetch(..., {mode: "no-cors"}) this
+        r = client.post("/api/documents", files={"file": ("planted.py", b"x = 1\n")}, headers=bad)
+        assert r.status_code == 403 and not (corpus / "planted.py").exists()
+        assert client.delete("/api/documents/bridge.txt", headers=bad).status_code == 403
+        assert (corpus / "bridge.txt").exists()
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert client.post("/v1/chat/completions", json=chat, headers=bad).status_code == 403
+        assert client.post("/v1/chat/completions", json=chat, headers={"Origin": "null"}).status_code == 403
+        assert (
+            client.post("/v1/chat/completions", json=chat, headers={"Sec-Fetch-Site": "cross-site"}).status_code == 403
+        )
+        # the page itself, an allowed origin, and clients that send no Origin (curl, SDKs) are served
+        assert client.post("/v1/chat/completions", json=chat, headers={"Origin": server.url}).status_code == 200
+        assert (
+            client.post("/v1/chat/completions", json=chat, headers={"Origin": "https://app.example"}).status_code == 200
+        )
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+        assert client.get("/api/documents", headers=bad).status_code == 200  # reads are not state changes
+
+
+def test_dns_rebinding_host_names_are_refused_without_a_key(tmp_path):
+    with serve(tmp_path, allowed_hosts=("demo.lan",)) as (server, client, app):
+        assert client.get("/api/documents", headers={"Host": "evil.example"}).status_code == 400
+        assert client.get("/api/documents", headers={"Host": f"evil.example:{server.port}"}).status_code == 400
+        for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "demo.lan:80"):
+            assert client.get("/api/documents", headers={"Host": host}).status_code == 200, host
+
+
+def test_with_a_key_any_host_name_is_served(tmp_path):
+    with serve(tmp_path, api_key="k") as (server, client, app):
+        assert client.get("/api/documents", headers={"Host": "demo.example.com"}).status_code == 200
+
+
+def test_non_loopback_bind_without_a_key_refuses_to_start(tmp_path, monkeypatch):
+    import argparse
+
+    from apps.demo.cli import register
+
+    monkeypatch.delenv("EPIC_RAG_API_KEY", raising=False)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["demo", "--host", "0.0.0.0", "--data-dir", str(tmp_path), "--no-browser-needed"])
+    assert args.func(args) == 2  # before the engine loads or a socket is bound
+
+    from apps.demo.access import check_bind
+
+    check_bind("0.0.0.0", "key", False)
+    check_bind("0.0.0.0", None, True)
+    for local in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        check_bind(local, None, False)
+
+
+def test_api_key_is_checked_before_the_body_is_read(tmp_path):
+    import socket
+
+    with serve(tmp_path, api_key="k") as (server, client, app):
+        with socket.create_connection((server.host, server.port), timeout=5) as s:
+            # declares 5 MB and sends none of it: a 401 now, not after waiting for (and parsing) the body
+            s.sendall(
+                b"POST /api/documents HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+                b"Content-Length: 5000000\r\n\r\n"
+            )
+            assert s.recv(64).startswith(b"HTTP/1.1 401")
+
+
+def test_a_non_ascii_api_key_works_and_is_compared_in_constant_time(tmp_path, monkeypatch):
+    import hmac
+
+    from apps.demo import access
+
+    calls, real = [], hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(access.hmac, "compare_digest", spy)
+    key = "schlüssel-ключ"
+    with serve(tmp_path, api_key=key) as (server, client, app):
+        anon = httpx.Client(base_url=server.url, timeout=10)
+        ok = anon.get("/api/documents", headers={"Authorization": b"Bearer " + key.encode("utf-8")})
+        assert ok.status_code == 200
+        assert anon.get("/api/documents", headers={"X-API-Key": key.encode("utf-8")}).status_code == 200
+        assert anon.get("/api/documents", headers={"X-API-Key": b"schl"}).status_code == 401
+        anon.close()
+    assert calls and all(b == key.encode("utf-8") for _, b in calls)

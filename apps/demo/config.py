@@ -31,6 +31,9 @@ class DemoConfig:
     policy: str = "legolink-16"  # default link policy (each request may pick another)
     model: str = DEMO_MODEL
     api_key: str | None = None  # when set, every route that does work needs it
+    host: str = "127.0.0.1"  # the address bound (without a key, only it and localhost are valid Host names)
+    allowed_hosts: tuple[str, ...] = ()  # more Host names to serve without a key ("*": any)
+    allowed_origins: tuple[str, ...] = ()  # other sites that may send state-changing requests ("*": any)
     top_k: int = 4
     max_top_k: int = 16
     chunk_tokens: int = 256

@@ -12,7 +12,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import hmac
 import json
 import logging
 import socket
@@ -22,7 +21,7 @@ import uuid
 from pathlib import Path
 
 import anyio
-from fastapi import APIRouter, Depends, FastAPI, File, HTTPException, Request, UploadFile
+from fastapi import APIRouter, FastAPI, File, HTTPException, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
@@ -31,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from epic_rag.policy import parse_policy
 from epic_rag.types import Generation, RagRequest
 
+from .access import AccessGuard
 from .config import PAGE_POLICIES, DemoConfig
 from .library import ChunkRecord, Library
 from .metrics import DemoMetrics
@@ -157,6 +157,10 @@ def _error_response(status: int, message: str, param: str | None = None, headers
     )
 
 
+def _refusal_response(status: int, message: str) -> JSONResponse:
+    return _error_response(status, message, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errs = exc.errors()
     if not errs:
@@ -217,6 +221,15 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
 
     app = FastAPI(title="epic-rag demo", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.demo = state
+    # Starlette runs the last added outermost: limits and metrics see every answer, AccessGuard's too.
+    app.add_middleware(
+        AccessGuard,
+        api_key=cfg.api_key,
+        bind_host=cfg.host,
+        allowed_hosts=cfg.allowed_hosts,
+        allowed_origins=cfg.allowed_origins,
+        respond=_refusal_response,
+    )
     app.add_middleware(LimitsAndMetrics, state=state)
 
     @app.exception_handler(RequestValidationError)
@@ -238,19 +251,6 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
     async def _on_error(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
         return _error_response(500, f"internal error: {type(exc).__name__}")
-
-    def require_key(request: Request) -> None:
-        key = cfg.api_key
-        if not key:
-            return
-        auth = request.headers.get("authorization", "")
-        got = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(got.encode("utf-8", "surrogateescape"), key.encode("utf-8")):
-            raise HTTPException(
-                401,
-                "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
 
     def need_engine():
         if state.engine is None:
@@ -294,7 +294,7 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     # ------------------------------------------------------------------ routes that do work
-    api = APIRouter(dependencies=[Depends(require_key)])
+    api = APIRouter()  # the API key is checked by AccessGuard, before a body is read
 
     @api.get("/metrics")
     async def metrics():
