@@ -196,3 +196,40 @@ def test_a_non_ascii_api_key_works_and_is_compared_in_constant_time(tmp_path, mo
         assert anon.get("/api/documents", headers={"X-API-Key": b"schl"}).status_code == 401
         anon.close()
     assert calls and all(b == key.encode("utf-8") for _, b in calls)
+
+
+# ---------------------------------------------------------------------- 6. errors never leak internals
+SECRET_PATH = "/home/operator/models/secret-model/model.safetensors"
+
+
+class BrokenEngine(FakeEngine):
+    """Fails generation and compilation with messages full of internals."""
+
+    def compile(self, texts, policy=None):
+        raise RuntimeError(f"{SECRET_PATH}: cannot map the weights")
+
+    async def astream_events(self, prepared):
+        raise RuntimeError(f"CUDA error at {SECRET_PATH}")
+        yield  # an async generator
+
+
+def test_engine_failures_return_a_request_id_not_internals_and_status_shows_no_paths(tmp_path, caplog):
+    with serve(tmp_path, engine=BrokenEngine()) as (server, client, app):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = client.post("/v1/chat/completions", json=body)
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 500 and "request id chatcmpl-" in msg and "/home" not in msg and "CUDA" not in msg
+        rid = msg.split("request id ")[1].split(";")[0]
+        assert rid in caplog.text and SECRET_PATH in caplog.text  # the details are in the server log
+        sse = client.post("/v1/chat/completions", json={**body, "stream": True}).text
+        assert "request id chatcmpl-" in sse and "/home" not in sse and "CUDA" not in sse
+        for path in ("/api/status", "/api/documents"):
+            text = client.get(path).text
+            assert "/home" not in text and str(tmp_path) not in text, text
+
+
+def test_a_redis_password_in_the_store_spec_never_reaches_the_log(caplog):
+    from apps.demo.config import open_demo_store
+
+    open_demo_store("memory+redis://:hunter2@127.0.0.1:1/0?timeout=0.1&bogus=1")
+    assert "hunter2" not in caplog.text and ":***@" in caplog.text

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from epic_rag.paths import cache_dir
 from epic_rag.policy import parse_policy
+from epic_rag.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +106,10 @@ def open_demo_store(spec: str):
     try:
         return open_store(spec)
     except (ValueError, OSError, ImportError, ConnectionError) as e:
-        log.warning(
+        log.warning(  # redacted: a Redis spec may carry its password
             "chunk store %r is not available (%s); using the memory store instead, so compiled "
             "chunks will not survive a restart",
-            spec,
-            e,
+            redact(spec),
+            redact(e),
         )
         return open_store("memory")

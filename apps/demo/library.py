@@ -248,10 +248,10 @@ class Library:
                 except queue.Empty:
                     continue
                 self._handle(task)
-            except Exception as e:  # keep the thread alive: report and go on
+            except Exception as e:  # keep the thread alive: report (no internals: /api/status shows it) and go on
                 log.exception("ingestion step failed")
                 with self._lock:
-                    self.progress.errors.append(f"{type(e).__name__}: {e}")
+                    self.progress.errors.append(f"ingestion step failed ({type(e).__name__}; see the server log)")
                 time.sleep(1.0)
 
     def _drain_tasks(self) -> None:
@@ -319,9 +319,10 @@ class Library:
         try:
             pieces = chunk_document(doc, self.engine.tokenizer, self.cfg.chunk_tokens)
         except Exception as e:
+            log.exception("chunking %s failed", info.name)
             with self._lock:
-                info.state, info.error = "error", str(e)
-                self.progress.errors.append(f"{info.name}: {e}")
+                info.state, info.error = "error", f"chunking failed ({type(e).__name__})"
+                self.progress.errors.append(f"{info.name}: {info.error}")
             return
         records = [ChunkRecord(f"{info.name}#{c.index}", info.name, c.index, c.text) for c in pieces]
         with self._lock:
@@ -361,12 +362,13 @@ class Library:
             refs = self.engine.compile([c.text for c in batch])
         except Exception as e:
             log.exception("compiling %d chunks failed", len(batch))
+            why = f"compile failed ({type(e).__name__}; see the server log)"  # engine text may hold paths
             with self._lock:
-                self.progress.errors.append(f"compile: {e}")
+                self.progress.errors.append(why)
                 for c in batch:  # left to on-the-fly compile at question time
                     c.failed = True
                     if c.doc in self.docs:
-                        self.docs[c.doc].state, self.docs[c.doc].error = "error", str(e)
+                        self.docs[c.doc].state, self.docs[c.doc].error = "error", why
             return True
         dt = time.perf_counter() - t0
         with self._lock:

@@ -126,13 +126,12 @@ class LimitsAndMetrics:
 
             try:
                 await self.app(scope, limited_receive, send_wrapper)
-            except Exception as exc:
+            except Exception:
                 if status["started"]:
                     raise
                 # Answered here rather than by Starlette's ServerErrorMiddleware, which re-raises: uvicorn
                 # would then close the keep-alive connection, failing the client's next request on it.
-                log.exception("unhandled error on %s", scope["path"])
-                await _error_response(500, f"internal error: {type(exc).__name__}")(scope, receive, send_wrapper)
+                await _internal_error(scope["path"])(scope, receive, send_wrapper)
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or ("/static" if scope["path"].startswith("/static/") else "other")
@@ -155,6 +154,17 @@ def _error_response(status: int, message: str, param: str | None = None, headers
         status_code=status,
         headers=headers,
     )
+
+
+def _internal_error(where: str) -> JSONResponse:
+    """A 500 that says nothing about internals: the details go to the log under a request id."""
+    rid = f"err-{uuid.uuid4().hex[:16]}"
+    log.exception("unhandled error on %s [%s]", where, rid)
+    return _error_response(500, f"internal error (request id {rid}; details in the server log)")
+
+
+def _failure_message(request_id: str) -> str:
+    return f"generation failed (request id {request_id}; details in the server log)"
 
 
 def _refusal_response(status: int, message: str) -> JSONResponse:
@@ -249,8 +259,7 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
 
     @app.exception_handler(Exception)
     async def _on_error(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return _error_response(500, f"internal error: {type(exc).__name__}")
+        return _internal_error(request.url.path)
 
     def need_engine():
         if state.engine is None:
@@ -497,11 +506,11 @@ async def _complete(state: DemoState, engine, body: ChatCompletionRequest, plan:
         except ValueError as e:
             m.chat.labels(plan.policy, "false", "error").inc()
             raise HTTPException(400, str(e)) from None
-        except Exception as e:
-            log.exception("generation failed")
+        except Exception:
+            log.exception("generation failed [%s]", plan.id)
             m.chat.labels(plan.policy, "false", "error").inc()
             m.errors.labels("engine").inc()
-            raise HTTPException(500, f"generation failed: {e}") from None
+            raise HTTPException(500, _failure_message(plan.id)) from None
     finally:
         if not task.done():
             task.cancel()
@@ -561,12 +570,12 @@ async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _
         except Exception as e:
             outcome = "error"
             if not isinstance(e, ValueError):
-                log.exception("streamed generation failed")
+                log.exception("streamed generation failed [%s]", plan.id)
             m.errors.labels("engine" if not isinstance(e, ValueError) else "bad_request").inc()
             yield _sse(
                 {
-                    "error": {
-                        "message": str(e),
+                    "error": {  # a ValueError is the client's (what was wrong); anything else stays in the log
+                        "message": str(e) if isinstance(e, ValueError) else _failure_message(plan.id),
                         "type": "invalid_request_error" if isinstance(e, ValueError) else "server_error",
                         "param": None,
                         "code": 400 if isinstance(e, ValueError) else 500,
