@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from test_demo_unit import FACTS, FakeEngine, HashEncoder
 
 from apps.demo.config import DemoConfig
@@ -233,3 +234,44 @@ def test_a_redis_password_in_the_store_spec_never_reaches_the_log(caplog):
 
     open_demo_store("memory+redis://:hunter2@127.0.0.1:1/0?timeout=0.1&bogus=1")
     assert "hunter2" not in caplog.text and ":***@" in caplog.text
+
+
+# ---------------------------------------------------------------------- 4. admission control and bounds
+def test_beyond_the_inflight_and_queue_bounds_chats_get_429_with_retry_after(tmp_path):
+    import concurrent.futures
+
+    with serve(tmp_path, engine=FakeEngine(delay=0.02), max_inflight=1, max_queued=1) as (server, client, app):
+        body = {"messages": [{"role": "user", "content": "passcode?"}], "max_tokens": 40}  # ~0.8 s each
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            first = [pool.submit(client.post, "/v1/chat/completions", json=body) for _ in range(2)]
+            time.sleep(0.3)  # one running, one queued
+            over = client.post("/v1/chat/completions", json=body)
+            assert over.status_code == 429 and over.headers["retry-after"] == "1", over.text
+            assert [f.result().status_code for f in first] == [200, 200]  # the queued one ran after
+        # streamed and refused requests give their slot back
+        assert client.post("/v1/chat/completions", json={**body, "stream": True}).status_code == 200
+        assert client.post("/v1/chat/completions", json={**body, "max_tokens": 10**6}).status_code == 400
+        adm = app.state.demo.admission
+        assert (adm.running, adm.waiting) == (0, 0)
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "stop, needle",
+    [(["a"] * 5, "at most 4 stop sequences"), ("x" * 65, "at most 64 characters"), (["ok", "y" * 65], "64 characters")],
+)
+def test_stop_sequences_are_bounded_in_count_and_length(tmp_path, stop, needle):
+    with serve(tmp_path) as (server, client, app):
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}], "stop": stop})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_prometheus_policy_labels_come_from_a_fixed_set_not_the_clients_string(tmp_path):
+    with serve(tmp_path) as (server, client, app):
+        for k in (123457, 123458, 123459):
+            body = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 2, "policy": f"LegoLink-{k}"}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+        assert client.post("/v1/chat/completions", json={**body, "policy": "full"}).status_code == 200
+        text = client.get("/metrics").text
+        assert "12345" not in text
+        assert 'policy="legolink"' in text and 'policy="full"' in text

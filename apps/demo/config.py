@@ -47,6 +47,8 @@ class DemoConfig:
     max_body_bytes: int = 1 << 20  # JSON bodies
     max_upload_bytes: int = 10 << 20  # one uploaded document
     max_model_len: int = 8192
+    max_inflight: int = 16  # chat completions generating at once
+    max_queued: int = 64  # more waiting for a slot; beyond that 429 + Retry-After
     parse_cpu_s: int = 20  # CPU seconds one HTML/PDF extraction may use (in its worker process)
     max_document_chars: int = 10 << 20  # characters per document after decoding/extraction
 
@@ -65,6 +67,8 @@ class DemoConfig:
             "max_body_bytes",
             "max_upload_bytes",
             "parse_cpu_s",
+            "max_inflight",
+            "max_queued",
             "max_document_chars",
         ):
             v = getattr(self, name)

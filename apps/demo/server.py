@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -51,7 +52,8 @@ class DemoState:
         self.cfg = config
         self.engine = None
         self.library = Library(config, encoder)
-        self.metrics = DemoMetrics(lambda: self.engine, self.library)
+        self.metrics = DemoMetrics(lambda: self.engine, self.library, frozenset(PAGE_POLICIES) | {config.policy})
+        self.admission = Admission(config.max_inflight, config.max_queued)
         self.started = time.time()
         self.active_chats = 0  # chat completions in flight (ingestion yields to them)
         self.library.busy = lambda: self.active_chats > 0
@@ -69,6 +71,37 @@ class DemoState:
         """Hand over a ready engine: the corpus starts loading in the background."""
         self.engine = engine
         self.library.start(engine)
+
+
+class Admission:
+    """At most `limit` chat completions run and `queue` more wait; the caller answers 429 beyond that, so
+    a burst of clients cannot queue unbounded work (and its KV) in the engine."""
+
+    def __init__(self, limit: int, queue: int) -> None:
+        self.limit, self.queue = limit, queue
+        self.running = self.waiting = 0
+        self._sem = asyncio.Semaphore(limit)
+
+    async def enter(self) -> Callable[[], None] | None:
+        """A release function once a slot is held, or None when the queue is full (nothing held)."""
+        if self.running + self.waiting >= self.limit + self.queue:
+            return None
+        self.waiting += 1
+        try:
+            await self._sem.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.running -= 1
+                self._sem.release()
+
+        return release
 
 
 # ---------------------------------------------------------------------- ASGI middleware
@@ -147,6 +180,7 @@ def _error_response(status: int, message: str, param: str | None = None, headers
         401: "authentication_error",
         404: "not_found_error",
         413: "request_too_large",
+        429: "rate_limit_error",
         503: "service_unavailable",
     }.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return JSONResponse(
@@ -192,6 +226,10 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(self, content, *, on_close: Callable[[], None] | None = None, **kw) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close  # runs however the response ends (even if the stream never started)
+
     async def __call__(self, scope, receive, send):
         try:
             async with anyio.create_task_group() as tg:
@@ -208,6 +246,8 @@ class EventStreamResponse(StreamingResponse):
             if aclose is not None:
                 with contextlib.suppress(BaseException):
                     await aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 def _sse(obj) -> str:
@@ -348,12 +388,24 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         engine = need_engine()
-        plan = await _plan(state, body, engine)
-        if body.stream:
-            return EventStreamResponse(
-                _stream(state, engine, body, plan), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            )
-        return await _complete(state, engine, body, plan, request)
+        release = await state.admission.enter()
+        if release is None:
+            state.metrics.errors.labels("overloaded").inc()
+            raise HTTPException(429, "too many requests in flight; retry shortly", headers={"Retry-After": "1"})
+        try:
+            plan = await _plan(state, body, engine)
+            if body.stream:
+                resp = EventStreamResponse(
+                    _stream(state, engine, body, plan),
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    on_close=release,
+                )
+                release = None  # the response releases the slot when it ends
+                return resp
+            return await _complete(state, engine, body, plan, request)
+        finally:
+            if release is not None:
+                release()
 
     app.include_router(api)
     if engine is not None:
@@ -499,16 +551,16 @@ async def _complete(state: DemoState, engine, body: ChatCompletionRequest, plan:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-                m.chat.labels(plan.policy, "false", "cancelled").inc()
+                m.chat.labels(m.policy(plan.policy), "false", "cancelled").inc()
                 return Response(status_code=499)
         try:
             gen = task.result()
         except ValueError as e:
-            m.chat.labels(plan.policy, "false", "error").inc()
+            m.chat.labels(m.policy(plan.policy), "false", "error").inc()
             raise HTTPException(400, str(e)) from None
         except Exception:
             log.exception("generation failed [%s]", plan.id)
-            m.chat.labels(plan.policy, "false", "error").inc()
+            m.chat.labels(m.policy(plan.policy), "false", "error").inc()
             m.errors.labels("engine").inc()
             raise HTTPException(500, _failure_message(plan.id)) from None
     finally:
@@ -617,7 +669,7 @@ async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _
         m.inflight.dec()
         state.active_chats -= 1
         if outcome != "ok":
-            m.chat.labels(plan.policy, "true", outcome).inc()
+            m.chat.labels(m.policy(plan.policy), "true", outcome).inc()
 
 
 # ---------------------------------------------------------------------- serving in a thread
