@@ -138,7 +138,8 @@ def _extract_child(conn, suffix: str, data: bytes, limits: ParseLimits) -> None:
 def extract_isolated(suffix: str, data: bytes, limits: ParseLimits) -> str:
     """Run _extract_markup in a fresh worker process (forkserver: no copy of this process's threads or
     engine) under `limits`; ValueError on any failure, timeout or limit. Keeps the GIL of this process
-    free, so a hostile HTML/PDF file cannot stall the server."""
+    free, so a hostile HTML/PDF file cannot stall the server. As with any multiprocessing start method but
+    fork, a script that calls this needs an `if __name__ == "__main__":` guard."""
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
