@@ -11,6 +11,7 @@ import time
 from collections import Counter
 
 from .corpus import TextChunk, chunk_document, load_documents
+from .redact import redact
 
 _WORD = re.compile(r"[A-Za-z0-9_]+")
 
@@ -143,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
-        print(f"epic-rag: error: {e}", file=sys.stderr)
+    except ValueError as e:  # messages may quote a store spec: its password is masked
+        print(f"epic-rag: error: {redact(e)}", file=sys.stderr)
         return 2
 
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import html
 import io
+import logging
 import re
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py"}
 DOC_SUFFIXES = TEXT_SUFFIXES | {".html", ".htm", ".pdf"}
@@ -69,32 +72,126 @@ class _HTMLText(HTMLParser):
             self.parts.append(data)
 
 
-def read_document(name: str, data: bytes) -> Document:
-    """Decode one uploaded/loaded file; raises ValueError for unsupported or unreadable content."""
+# Limits on what one document may cost to parse (the demo passes its own; see ParseLimits).
+MAX_DOC_CHARS = 10 << 20  # characters of decoded/extracted text per document
+MAX_PDF_PAGES = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class ParseLimits:
+    """What one HTML/PDF extraction may use in its worker process: CPU seconds, address space, wall time,
+    pages and characters of output. A document over any of them is refused (ValueError)."""
+
+    cpu_s: int = 20
+    memory_bytes: int = 1 << 30
+    wall_s: float = 60.0
+    max_pages: int = MAX_PDF_PAGES
+    max_chars: int = MAX_DOC_CHARS
+
+
+def normalise_text(text: str) -> str:
+    """Trailing blanks off every line, outer whitespace off the whole. Linear time: the regex this
+    replaces (`[ \\t]+\\n`) was quadratic on a long run of spaces and held the GIL for hours."""
+    return "\n".join(line.rstrip(" \t") for line in text.split("\n")).strip()
+
+
+def _extract_markup(suffix: str, data: bytes, max_pages: int, max_chars: int) -> str:
+    """HTML or PDF bytes -> text, in-process (the worker runs this under resource limits)."""
+    if suffix == ".pdf":
+        from pypdf import PdfReader
+
+        reader = PdfReader(io.BytesIO(data))
+        if len(reader.pages) > max_pages:
+            raise ValueError(f"PDF has {len(reader.pages)} pages; the limit is {max_pages}")
+        parts: list[str] = []
+        size = 0
+        for page in reader.pages:
+            t = page.extract_text() or ""
+            parts.append(t)
+            size += len(t) + 2
+            if size > max_chars:
+                break
+        return "\n\n".join(parts)[: max_chars + 1]
+    p = _HTMLText()
+    p.feed(_decode(data))
+    p.close()
+    return html.unescape(" ".join(p.parts))[: max_chars + 1]
+
+
+def _extract_child(conn, suffix: str, data: bytes, limits: ParseLimits) -> None:
+    import resource
+
+    # Hard caps the kernel enforces: a parser stuck in a loop gets SIGXCPU/SIGKILL, one that balloons
+    # gets MemoryError; either way only this child dies.
+    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
+    try:
+        out: tuple[str, str] = ("ok", _extract_markup(suffix, data, limits.max_pages, limits.max_chars))
+    except MemoryError:
+        out = ("error", "needs more memory than the parser may use")
+    except BaseException as e:  # any parser failure (html.parser raises AssertionError on '<![')
+        out = ("error", f"{type(e).__name__}: {str(e)[:200]}")
+    conn.send(out)
+    conn.close()
+
+
+def extract_isolated(suffix: str, data: bytes, limits: ParseLimits) -> str:
+    """Run _extract_markup in a fresh worker process (forkserver: no copy of this process's threads or
+    engine) under `limits`; ValueError on any failure, timeout or limit. Keeps the GIL of this process
+    free, so a hostile HTML/PDF file cannot stall the server. As with any multiprocessing start method but
+    fork, a script that calls this needs an `if __name__ == "__main__":` guard."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_extract_child, args=(child, suffix, data, limits), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(limits.wall_s):
+            raise ValueError(f"parsing took longer than {limits.wall_s:g} s")
+        kind, payload = parent.recv()
+    except (EOFError, OSError):  # the child died: CPU limit (SIGXCPU) or killed
+        raise ValueError("the parser exceeded its CPU or memory limit") from None
+    finally:
+        parent.close()
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+    if kind != "ok":
+        raise ValueError(payload)
+    return payload
+
+
+def _decode(data: bytes) -> str:
+    if b"\x00" in data:
+        raise ValueError("binary content (NUL bytes) in a text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not valid UTF-8 ({e.reason} at byte {e.start})") from e
+
+
+def read_document(name: str, data: bytes, limits: ParseLimits | None = None) -> Document:
+    """Decode one uploaded/loaded file; raises ValueError for unsupported, unreadable or oversized
+    content. HTML and PDF are parsed in a worker process under `limits` (extract_isolated)."""
+    limits = limits or ParseLimits()
     suffix = Path(name).suffix.lower()
     if suffix not in DOC_SUFFIXES:
         raise ValueError(f"unsupported file type {suffix or '(none)'}; supported: {', '.join(sorted(DOC_SUFFIXES))}")
-    if suffix == ".pdf":
-        try:
-            from pypdf import PdfReader
-        except ImportError as e:  # pragma: no cover
-            raise ValueError("reading PDF needs the pypdf package") from e
-        try:
-            text = "\n\n".join((p.extract_text() or "") for p in PdfReader(io.BytesIO(data)).pages)
-        except Exception as e:
-            raise ValueError(f"{name}: not a readable PDF ({e})") from e
-    else:
-        if b"\x00" in data:
-            raise ValueError(f"{name}: binary content (NUL bytes) in a text file")
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{name}: not valid UTF-8 ({e.reason} at byte {e.start})") from e
-        if suffix in (".html", ".htm"):
-            p = _HTMLText()
-            p.feed(text)
-            text = html.unescape(" ".join(p.parts))
-    text = re.sub(r"[ \t]+\n", "\n", text).strip()
+    try:
+        if suffix in (".pdf", ".html", ".htm"):
+            if suffix == ".pdf" and not data.startswith(b"%PDF"):
+                raise ValueError("not a PDF file")
+            text = extract_isolated(suffix, data, limits)
+        else:
+            text = _decode(data)
+    except ValueError as e:
+        kind = {".pdf": "PDF", ".html": "HTML", ".htm": "HTML"}.get(suffix, "text")
+        raise ValueError(f"{name}: not a readable {kind} file ({e})") from None
+    if len(text) > limits.max_chars:
+        raise ValueError(f"{name}: more than {limits.max_chars} characters of text")
+    text = normalise_text(text)
     if not text:
         raise ValueError(f"{name}: no text")
     return Document(Path(name).name, text)
@@ -132,7 +229,8 @@ def load_documents(source: str | Path) -> list[Document]:
         if p.is_file() and p.suffix.lower() in DOC_SUFFIXES:
             try:
                 docs.append(read_document(p.name, p.read_bytes()))
-            except ValueError:
+            except (ValueError, OSError) as e:  # one bad file is skipped, never the whole corpus
+                log.warning("skipping %s: %s", p, e)
                 continue
     if not docs:
         raise ValueError(f"{source}: no readable documents ({', '.join(sorted(DOC_SUFFIXES))})")

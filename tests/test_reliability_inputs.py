@@ -488,7 +488,8 @@ def test_an_internal_error_is_a_json_500_and_the_connection_stays_usable(
     monkeypatch.setattr(server.app.state.demo.library, "search", broken)
     for _ in range(5):  # each 500 is followed by a good request on the same keep-alive connection
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
-        assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: RuntimeError"
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 500 and msg.startswith("internal error (request id err-") and "simulated" not in msg
         assert client.post("/v1/chat/completions", json=GOOD_BODY).status_code == 200
     monkeypatch.undo()
     assert_http_unpoisoned(server, client, tiny_engine, http_reference, reference)
@@ -638,12 +639,8 @@ def test_every_route_that_does_work_needs_the_api_key(server):
             assert anon.get(path).status_code == 200
 
 
-def test_key_check_is_constant_time_and_applies_to_the_whole_router():
-    from apps.demo import server as srv
-
-    src = inspect.getsource(srv.create_app)
-    assert "hmac.compare_digest(" in src and "== key" not in src and "key ==" not in src
-    assert "APIRouter(dependencies=[Depends(require_key)])" in src
+# The key check's use of hmac.compare_digest, and that it runs before a body is read, are checked by
+# behaviour in tests/test_demo_hardening.py (it used to be a grep of the source here).
 
 
 def test_defaults_bind_loopback_only():

@@ -41,6 +41,23 @@ def register(subparsers) -> None:
         default=None,
         help="require this key (Authorization: Bearer KEY); default: $EPIC_RAG_API_KEY, else none",
     )
+    d.add_argument(
+        "--insecure-no-key",
+        action="store_true",
+        help="allow a non-loopback --host without an API key (anyone who can reach it can use it)",
+    )
+    d.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="comma-separated Host names served without a key besides the bound address and localhost "
+        "(default none: a DNS-rebinding page cannot reach the server; '*' allows any)",
+    )
+    d.add_argument(
+        "--allowed-origins",
+        default="",
+        help="comma-separated origins (https://app.example) allowed to send uploads, deletes and chats "
+        "besides the page itself (default none: no other website can; '*' allows any)",
+    )
     d.add_argument("--model", default=DEMO_MODEL, help=f"packaged model name or model folder (default {DEMO_MODEL})")
     d.add_argument("--data-dir", default=None, help="default ~/.cache/epic_rag/demo")
     d.add_argument("--top-k", type=int, default=4)
@@ -69,10 +86,17 @@ def _config(args):
         policy=args.policy,
         model=args.model,
         api_key=args.api_key or os.environ.get("EPIC_RAG_API_KEY") or None,
+        host=args.host,
+        allowed_hosts=_csv(args.allowed_hosts),
+        allowed_origins=_csv(args.allowed_origins),
         top_k=args.top_k,
         chunk_tokens=args.chunk_tokens,
         max_model_len=args.max_model_len,
     )
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
 def _progress_bars(library):
@@ -105,6 +129,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg = _config(args)
     from epic_rag import EngineConfig
 
+    from .access import check_bind
+
+    try:
+        check_bind(args.host, cfg.api_key, args.insecure_no_key)
+    except ValueError as e:
+        print(f"epic-rag demo: {e}", file=sys.stderr)
+        return 2
+
     from .config import open_demo_store
     from .server import BackgroundServer, create_app
 
@@ -122,7 +154,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     auth = "API key required" if cfg.api_key else "no API key"
     print(f"epic-rag demo: {server.url}  ({auth}; corpus {cfg.corpus}; data {cfg.data_dir})", file=sys.stderr)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_key:
+    if not cfg.api_key and args.insecure_no_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
     try:
         t0 = time.perf_counter()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from epic_rag.paths import cache_dir
 from epic_rag.policy import parse_policy
+from epic_rag.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ class DemoConfig:
     policy: str = "legolink-16"  # default link policy (each request may pick another)
     model: str = DEMO_MODEL
     api_key: str | None = None  # when set, every route that does work needs it
+    host: str = "127.0.0.1"  # the address bound (without a key, only it and localhost are valid Host names)
+    allowed_hosts: tuple[str, ...] = ()  # more Host names to serve without a key ("*": any)
+    allowed_origins: tuple[str, ...] = ()  # other sites that may send state-changing requests ("*": any)
     top_k: int = 4
     max_top_k: int = 16
     chunk_tokens: int = 256
@@ -43,6 +47,10 @@ class DemoConfig:
     max_body_bytes: int = 1 << 20  # JSON bodies
     max_upload_bytes: int = 10 << 20  # one uploaded document
     max_model_len: int = 8192
+    max_inflight: int = 16  # chat completions generating at once
+    max_queued: int = 64  # more waiting for a slot; beyond that 429 + Retry-After
+    parse_cpu_s: int = 20  # CPU seconds one HTML/PDF extraction may use (in its worker process)
+    max_document_chars: int = 10 << 20  # characters per document after decoding/extraction
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser()
@@ -58,6 +66,10 @@ class DemoConfig:
             "max_messages",
             "max_body_bytes",
             "max_upload_bytes",
+            "parse_cpu_s",
+            "max_inflight",
+            "max_queued",
+            "max_document_chars",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name == "top_k" else 1):
@@ -98,10 +110,10 @@ def open_demo_store(spec: str):
     try:
         return open_store(spec)
     except (ValueError, OSError, ImportError, ConnectionError) as e:
-        log.warning(
+        log.warning(  # redacted: a Redis spec may carry its password
             "chunk store %r is not available (%s); using the memory store instead, so compiled "
             "chunks will not survive a restart",
-            spec,
-            e,
+            redact(spec),
+            redact(e),
         )
         return open_store("memory")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from epic_rag.corpus import DOC_SUFFIXES, Document, chunk_document, pydoc_documents, read_document
+from epic_rag.corpus import DOC_SUFFIXES, Document, ParseLimits, chunk_document, pydoc_documents, read_document
 from epic_rag.types import ChunkRef
 
 from .config import DemoConfig
@@ -135,6 +135,7 @@ class Library:
         self.busy: Callable[[], bool] = lambda: False
         self._emb_dir = config.data_dir / "embeddings"
         self._enc_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        self.parse_limits = ParseLimits(cpu_s=config.parse_cpu_s, max_chars=config.max_document_chars)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, engine) -> None:
@@ -176,7 +177,7 @@ class Library:
     def add_upload(self, filename: str, data: bytes) -> DocInfo:
         """Validate and save an uploaded document, then index and compile it in the background."""
         name = safe_upload_name(filename)
-        doc = read_document(name, data)  # ValueError on unsupported types, bad UTF-8, NUL bytes
+        doc = read_document(name, data, self.parse_limits)  # ValueError on anything it cannot read
         folder = self.cfg.uploads_dir
         folder.mkdir(parents=True, exist_ok=True)
         path = (folder / name).resolve()
@@ -247,10 +248,10 @@ class Library:
                 except queue.Empty:
                     continue
                 self._handle(task)
-            except Exception as e:  # keep the thread alive: report and go on
+            except Exception as e:  # keep the thread alive: report (no internals: /api/status shows it) and go on
                 log.exception("ingestion step failed")
                 with self._lock:
-                    self.progress.errors.append(f"{type(e).__name__}: {e}")
+                    self.progress.errors.append(f"ingestion step failed ({type(e).__name__}; see the server log)")
                 time.sleep(1.0)
 
     def _drain_tasks(self) -> None:
@@ -287,10 +288,13 @@ class Library:
                 ):
                     continue
                 try:
-                    d = read_document(p.name, p.read_bytes())
-                except (ValueError, OSError) as e:
+                    d = read_document(p.name, p.read_bytes(), self.parse_limits)
+                except Exception as e:  # one unreadable file is skipped and reported, the corpus loads on
+                    log.warning("skipping corpus file %s: %s", rel, e)
                     with self._lock:
-                        self.progress.errors.append(str(e))
+                        # a ValueError says what is wrong with the file; anything else may carry paths
+                        why = str(e) if isinstance(e, ValueError) else f"{rel}: unreadable ({type(e).__name__})"
+                        self.progress.errors.append(f"skipped {why}")
                     continue
                 found.append((Document(rel, d.text), "corpus" if cfg.corpus_dir else "upload", p))
         with self._lock:
@@ -315,9 +319,10 @@ class Library:
         try:
             pieces = chunk_document(doc, self.engine.tokenizer, self.cfg.chunk_tokens)
         except Exception as e:
+            log.exception("chunking %s failed", info.name)
             with self._lock:
-                info.state, info.error = "error", str(e)
-                self.progress.errors.append(f"{info.name}: {e}")
+                info.state, info.error = "error", f"chunking failed ({type(e).__name__})"
+                self.progress.errors.append(f"{info.name}: {info.error}")
             return
         records = [ChunkRecord(f"{info.name}#{c.index}", info.name, c.index, c.text) for c in pieces]
         with self._lock:
@@ -357,12 +362,13 @@ class Library:
             refs = self.engine.compile([c.text for c in batch])
         except Exception as e:
             log.exception("compiling %d chunks failed", len(batch))
+            why = f"compile failed ({type(e).__name__}; see the server log)"  # engine text may hold paths
             with self._lock:
-                self.progress.errors.append(f"compile: {e}")
+                self.progress.errors.append(why)
                 for c in batch:  # left to on-the-fly compile at question time
                     c.failed = True
                     if c.doc in self.docs:
-                        self.docs[c.doc].state, self.docs[c.doc].error = "error", str(e)
+                        self.docs[c.doc].state, self.docs[c.doc].error = "error", why
             return True
         dt = time.perf_counter() - t0
         with self._lock:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from epic_rag.policy import parse_policy
+
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -45,8 +47,20 @@ class _StoreCollector:
         yield g
 
 
+def policy_label(name: str, known: frozenset[str]) -> str:
+    """A Prometheus label from a fixed set: a known policy name (the page's and the default), else the
+    policy's kind ("legolink-123456" -> "legolink"), so clients cannot mint new time series."""
+    if name in known:
+        return name
+    try:
+        return parse_policy(name).kind
+    except ValueError:
+        return "other"
+
+
 class DemoMetrics:
-    def __init__(self, get_engine, library) -> None:
+    def __init__(self, get_engine, library, known_policies: frozenset[str] = frozenset()) -> None:
+        self.known_policies = known_policies
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "epic_rag_http_requests", "HTTP requests by route and status", ["route", "method", "status"], registry=r
@@ -88,8 +102,11 @@ class DemoMetrics:
         self.inflight = Gauge("epic_rag_inflight_requests", "chat completions in progress", registry=r)
         r.register(_StoreCollector(get_engine, library))
 
+    def policy(self, name: str) -> str:
+        return policy_label(name, self.known_policies)
+
     def observe_generation(self, gen, stream: bool) -> None:
-        p = gen.policy
+        p = self.policy(gen.policy)
         self.chat.labels(p, str(stream).lower(), "ok").inc()
         self.ttft.labels(p).observe(gen.ttft_s)
         self.prompt_tokens.labels(p).inc(gen.prompt_tokens)

@@ -7,9 +7,23 @@ Limits that depend on the server's configuration are checked in the route.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+
+# Every list and the strings vLLM matches per token are bounded here, before any work (OpenAI: <= 4 stops).
+MAX_STOPS, MAX_STOP_CHARS = 4, 64
+ChunkId = Annotated[str, StringConstraints(strict=True, max_length=512)]
 
 
 class TextPart(BaseModel):
@@ -21,7 +35,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | Annotated[list[TextPart], Field(max_length=256)] | None = None
 
     @property
     def text(self) -> str:
@@ -40,7 +54,7 @@ class StreamOptions(BaseModel):
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)  # the route applies max_messages
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -51,8 +65,18 @@ class ChatCompletionRequest(BaseModel):
     # epic-rag extensions (OpenAI client: extra_body={...})
     policy: StrictStr | None = None
     top_k: StrictInt | None = Field(default=None, ge=0)
-    chunk_ids: list[StrictStr] | None = Field(default=None, max_length=64)
+    chunk_ids: list[ChunkId] | None = Field(default=None, max_length=64)
     use_retrieval: StrictBool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_is_bounded(cls, v):
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"each stop sequence has at most {MAX_STOP_CHARS} characters")
+        return v
 
     @model_validator(mode="after")
     def _text_is_unicode(self):

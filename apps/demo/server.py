@@ -8,20 +8,21 @@ the cancellation reaches the engine's async generator, which aborts the request 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import hmac
 import json
 import logging
 import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
-from fastapi import APIRouter, Depends, FastAPI, File, HTTPException, Request, UploadFile
+from fastapi import APIRouter, FastAPI, File, HTTPException, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
@@ -30,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from epic_rag.policy import parse_policy
 from epic_rag.types import Generation, RagRequest
 
+from .access import AccessGuard
 from .config import PAGE_POLICIES, DemoConfig
 from .library import ChunkRecord, Library
 from .metrics import DemoMetrics
@@ -50,15 +52,56 @@ class DemoState:
         self.cfg = config
         self.engine = None
         self.library = Library(config, encoder)
-        self.metrics = DemoMetrics(lambda: self.engine, self.library)
+        self.metrics = DemoMetrics(lambda: self.engine, self.library, frozenset(PAGE_POLICIES) | {config.policy})
+        self.admission = Admission(config.max_inflight, config.max_queued)
         self.started = time.time()
         self.active_chats = 0  # chat completions in flight (ingestion yields to them)
         self.library.busy = lambda: self.active_chats > 0
+        # Uploads wait on their parser process here, not in the default pool that chat requests need.
+        self.upload_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="epic-demo-upload")
+
+    def not_ready(self) -> str | None:
+        """None when a chat completion can be served now; otherwise why not (loading, engine dead)."""
+        if self.engine is None:
+            return "the engine is still loading"
+        runtime = getattr(self.engine, "runtime", None)
+        return runtime.health() if runtime is not None else None
 
     def attach_engine(self, engine) -> None:
         """Hand over a ready engine: the corpus starts loading in the background."""
         self.engine = engine
         self.library.start(engine)
+
+
+class Admission:
+    """At most `limit` chat completions run and `queue` more wait; the caller answers 429 beyond that, so
+    a burst of clients cannot queue unbounded work (and its KV) in the engine."""
+
+    def __init__(self, limit: int, queue: int) -> None:
+        self.limit, self.queue = limit, queue
+        self.running = self.waiting = 0
+        self._sem = asyncio.Semaphore(limit)
+
+    async def enter(self) -> Callable[[], None] | None:
+        """A release function once a slot is held, or None when the queue is full (nothing held)."""
+        if self.running + self.waiting >= self.limit + self.queue:
+            return None
+        self.waiting += 1
+        try:
+            await self._sem.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.running -= 1
+                self._sem.release()
+
+        return release
 
 
 # ---------------------------------------------------------------------- ASGI middleware
@@ -116,13 +159,12 @@ class LimitsAndMetrics:
 
             try:
                 await self.app(scope, limited_receive, send_wrapper)
-            except Exception as exc:
+            except Exception:
                 if status["started"]:
                     raise
                 # Answered here rather than by Starlette's ServerErrorMiddleware, which re-raises: uvicorn
                 # would then close the keep-alive connection, failing the client's next request on it.
-                log.exception("unhandled error on %s", scope["path"])
-                await _error_response(500, f"internal error: {type(exc).__name__}")(scope, receive, send_wrapper)
+                await _internal_error(scope["path"])(scope, receive, send_wrapper)
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or ("/static" if scope["path"].startswith("/static/") else "other")
@@ -138,6 +180,7 @@ def _error_response(status: int, message: str, param: str | None = None, headers
         401: "authentication_error",
         404: "not_found_error",
         413: "request_too_large",
+        429: "rate_limit_error",
         503: "service_unavailable",
     }.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return JSONResponse(
@@ -145,6 +188,21 @@ def _error_response(status: int, message: str, param: str | None = None, headers
         status_code=status,
         headers=headers,
     )
+
+
+def _internal_error(where: str) -> JSONResponse:
+    """A 500 that says nothing about internals: the details go to the log under a request id."""
+    rid = f"err-{uuid.uuid4().hex[:16]}"
+    log.exception("unhandled error on %s [%s]", where, rid)
+    return _error_response(500, f"internal error (request id {rid}; details in the server log)")
+
+
+def _failure_message(request_id: str) -> str:
+    return f"generation failed (request id {request_id}; details in the server log)"
+
+
+def _refusal_response(status: int, message: str) -> JSONResponse:
+    return _error_response(status, message, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -168,6 +226,10 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(self, content, *, on_close: Callable[[], None] | None = None, **kw) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close  # runs however the response ends (even if the stream never started)
+
     async def __call__(self, scope, receive, send):
         try:
             async with anyio.create_task_group() as tg:
@@ -184,6 +246,8 @@ class EventStreamResponse(StreamingResponse):
             if aclose is not None:
                 with contextlib.suppress(BaseException):
                     await aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 def _sse(obj) -> str:
@@ -203,9 +267,19 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
     async def lifespan(app):
         yield
         state.library.stop()
+        state.upload_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="epic-rag demo", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.demo = state
+    # Starlette runs the last added outermost: limits and metrics see every answer, AccessGuard's too.
+    app.add_middleware(
+        AccessGuard,
+        api_key=cfg.api_key,
+        bind_host=cfg.host,
+        allowed_hosts=cfg.allowed_hosts,
+        allowed_origins=cfg.allowed_origins,
+        respond=_refusal_response,
+    )
     app.add_middleware(LimitsAndMetrics, state=state)
 
     @app.exception_handler(RequestValidationError)
@@ -225,34 +299,25 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
 
     @app.exception_handler(Exception)
     async def _on_error(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return _error_response(500, f"internal error: {type(exc).__name__}")
-
-    def require_key(request: Request) -> None:
-        key = cfg.api_key
-        if not key:
-            return
-        auth = request.headers.get("authorization", "")
-        got = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(got.encode("utf-8", "surrogateescape"), key.encode("utf-8")):
-            raise HTTPException(
-                401,
-                "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        return _internal_error(request.url.path)
 
     def need_engine():
         if state.engine is None:
             raise HTTPException(
                 503, "the engine is still loading; retry in a few seconds", headers={"Retry-After": "5"}
             )
+        if state.not_ready():  # the engine thread died: restart the server
+            raise HTTPException(503, "the engine is not running; the server needs a restart")
         return state.engine
 
     # ------------------------------------------------------------------ open routes
     @app.get("/healthz")
     async def healthz():
-        return {
-            "status": "ok" if state.engine is not None else "loading",
+        # 200 only when a chat completion can be served: load balancers and clients may wait on it.
+        reason = state.not_ready()
+        body = {
+            "status": "ok" if reason is None else "loading" if state.engine is None else "failed",
+            "reason": reason,
             "model": cfg.served_model,
             "ingest": state.library.progress.state,
             "auth_required": cfg.api_key is not None,
@@ -265,6 +330,7 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
             "max_upload_bytes": cfg.max_upload_bytes,
             "uptime_s": round(time.time() - state.started, 1),
         }
+        return body if reason is None else JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
 
     @app.get("/", include_in_schema=False)
     async def page():
@@ -277,7 +343,7 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     # ------------------------------------------------------------------ routes that do work
-    api = APIRouter(dependencies=[Depends(require_key)])
+    api = APIRouter()  # the API key is checked by AccessGuard, before a body is read
 
     @api.get("/metrics")
     async def metrics():
@@ -306,7 +372,8 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
         if len(data) > cfg.max_upload_bytes:
             raise HTTPException(413, f"document exceeds the upload limit of {cfg.max_upload_bytes} bytes")
         try:
-            info = await asyncio.to_thread(state.library.add_upload, file.filename or "", data)
+            add = functools.partial(state.library.add_upload, file.filename or "", data)
+            info = await asyncio.get_running_loop().run_in_executor(state.upload_pool, add)
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         return {"document": info.as_dict()}
@@ -321,12 +388,24 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         engine = need_engine()
-        plan = await _plan(state, body, engine)
-        if body.stream:
-            return EventStreamResponse(
-                _stream(state, engine, body, plan), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            )
-        return await _complete(state, engine, body, plan, request)
+        release = await state.admission.enter()
+        if release is None:
+            state.metrics.errors.labels("overloaded").inc()
+            raise HTTPException(429, "too many requests in flight; retry shortly", headers={"Retry-After": "1"})
+        try:
+            plan = await _plan(state, body, engine)
+            if body.stream:
+                resp = EventStreamResponse(
+                    _stream(state, engine, body, plan),
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    on_close=release,
+                )
+                release = None  # the response releases the slot when it ends
+                return resp
+            return await _complete(state, engine, body, plan, request)
+        finally:
+            if release is not None:
+                release()
 
     app.include_router(api)
     if engine is not None:
@@ -466,22 +545,24 @@ async def _complete(state: DemoState, engine, body: ChatCompletionRequest, plan:
             done, _ = await asyncio.wait({task}, timeout=0.25)
             if done:
                 break
+            if state.not_ready():  # the engine died under this request: do not wait on it
+                raise HTTPException(503, "the engine is not running; the server needs a restart")
             if await request.is_disconnected():  # nobody to answer: abort in the engine
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-                m.chat.labels(plan.policy, "false", "cancelled").inc()
+                m.chat.labels(m.policy(plan.policy), "false", "cancelled").inc()
                 return Response(status_code=499)
         try:
             gen = task.result()
         except ValueError as e:
-            m.chat.labels(plan.policy, "false", "error").inc()
+            m.chat.labels(m.policy(plan.policy), "false", "error").inc()
             raise HTTPException(400, str(e)) from None
-        except Exception as e:
-            log.exception("generation failed")
-            m.chat.labels(plan.policy, "false", "error").inc()
+        except Exception:
+            log.exception("generation failed [%s]", plan.id)
+            m.chat.labels(m.policy(plan.policy), "false", "error").inc()
             m.errors.labels("engine").inc()
-            raise HTTPException(500, f"generation failed: {e}") from None
+            raise HTTPException(500, _failure_message(plan.id)) from None
     finally:
         if not task.done():
             task.cancel()
@@ -541,12 +622,12 @@ async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _
         except Exception as e:
             outcome = "error"
             if not isinstance(e, ValueError):
-                log.exception("streamed generation failed")
+                log.exception("streamed generation failed [%s]", plan.id)
             m.errors.labels("engine" if not isinstance(e, ValueError) else "bad_request").inc()
             yield _sse(
                 {
-                    "error": {
-                        "message": str(e),
+                    "error": {  # a ValueError is the client's (what was wrong); anything else stays in the log
+                        "message": str(e) if isinstance(e, ValueError) else _failure_message(plan.id),
                         "type": "invalid_request_error" if isinstance(e, ValueError) else "server_error",
                         "param": None,
                         "code": 400 if isinstance(e, ValueError) else 500,
@@ -588,7 +669,7 @@ async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _
         m.inflight.dec()
         state.active_chats -= 1
         if outcome != "ok":
-            m.chat.labels(plan.policy, "true", outcome).inc()
+            m.chat.labels(m.policy(plan.policy), "true", outcome).inc()
 
 
 # ---------------------------------------------------------------------- serving in a thread

@@ -44,11 +44,26 @@ class Runtime:
         self._thread = threading.Thread(target=self._loop, name="epic-rag-engine", daemon=True)
         self._thread.start()
 
+    def health(self) -> str | None:
+        """None while requests can be served; otherwise why not (a fatal error, a dead or unstarted thread)."""
+        if self.fatal is not None:
+            return f"engine stopped after a fatal error ({type(self.fatal).__name__})"
+        if self._thread is None:
+            return "engine thread not started"
+        if not self._thread.is_alive():
+            return "engine thread is not running"
+        return None
+
     def submit(self, req_id: str, prompt: Any, params: Any, sink: Callable[[Delta | BaseException], None]) -> None:
         if self.fatal is not None:
             raise RuntimeError(f"engine stopped after a fatal error: {self.fatal}")
+        if self._stop:
+            raise RuntimeError("engine shut down")
         self._inbox.put(_Pending(req_id, prompt, params, sink))
         self._wake.set()
+        if self.fatal is not None or self._stop or (self._thread is not None and not self._thread.is_alive()):
+            # the thread ended (or is ending) after the checks above: it may never take this from the inbox
+            self._fail_inbox(self.fatal or RuntimeError("engine shut down"))
 
     def submit_tokens(
         self,
@@ -98,43 +113,76 @@ class Runtime:
             if isinstance(item, _Pending):
                 try:
                     self.llm.add_request(item.req_id, item.prompt, item.params)
-                    self._sinks[item.req_id] = item.sink
-                except BaseException as e:  # bad request: tell the caller, keep serving
-                    item.sink(e)
+                except Exception as e:  # bad request: tell the caller, keep serving
+                    _notify(item.sink, e)
+                    continue
+                self._sinks[item.req_id] = item.sink
             elif self._sinks.pop(item[1], None) is not None:  # ("abort", req_id)
                 self.llm.abort_request([item[1]])
 
-    def _loop(self) -> None:
-        while not self._stop:
-            self._drain()
-            if not self.llm.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
+    def _fail_inbox(self, err: BaseException) -> None:
+        """Every request still waiting in the inbox gets `err` (none is left waiting for a dead thread)."""
+        while True:
             try:
-                outputs = self.llm.step()
-            except BaseException as e:
-                log.exception("engine step failed")
-                self.fatal = e
-                for sink in self._sinks.values():
-                    sink(e)
-                self._sinks.clear()
+                item = self._inbox.get_nowait()
+            except queue.Empty:
                 return
-            now = time.perf_counter()
-            for out in outputs:
-                rid = out.request_id
-                sink = self._sinks.get(rid)
-                if sink is None:
+            if isinstance(item, _Pending):
+                _notify(item.sink, err)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                self._drain()
+                if not self.llm.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
                     continue
-                c = out.outputs[0] if out.outputs else None
-                d = Delta(
-                    text=c.text if c else "",
-                    token_ids=list(c.token_ids) if c else [],
-                    finished=out.finished,
-                    finish_reason=c.finish_reason if c else None,
-                    t=now,
-                    cached_tokens=getattr(out, "num_cached_tokens", None),
-                )
-                if out.finished:
-                    del self._sinks[rid]
-                sink(d)
+                self._route(self.llm.step())
+        except BaseException as e:  # a failed step, add or abort: the engine is unusable from here on
+            log.exception("engine thread failed; failing every pending request")
+            self.fatal = e
+            sinks, self._sinks = list(self._sinks.values()), {}
+            for sink in sinks:
+                _notify(sink, e)
+            self._fail_inbox(e)
+            return
+        # stopped: callers still waiting are told so
+        err = RuntimeError("engine shut down")
+        sinks, self._sinks = list(self._sinks.values()), {}
+        for sink in sinks:
+            _notify(sink, err)
+        self._fail_inbox(err)
+
+    def _route(self, outputs) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            rid = out.request_id
+            sink = self._sinks.get(rid)
+            if sink is None:
+                continue
+            c = out.outputs[0] if out.outputs else None
+            d = Delta(
+                text=c.text if c else "",
+                token_ids=list(c.token_ids) if c else [],
+                finished=out.finished,
+                finish_reason=c.finish_reason if c else None,
+                t=now,
+                cached_tokens=getattr(out, "num_cached_tokens", None),
+            )
+            if out.finished:
+                del self._sinks[rid]
+            if not _notify(sink, d) and not out.finished:  # nobody can take its output: stop generating it
+                del self._sinks[rid]
+                self.llm.abort_request([rid])
+
+
+def _notify(sink: Callable[[Delta | BaseException], None], d: Delta | BaseException) -> bool:
+    """Call a sink; one that raises (e.g. call_soon_threadsafe on a closed event loop) is logged, never
+    allowed to kill the stepping thread that serves everyone else. False when it raised."""
+    try:
+        sink(d)
+        return True
+    except Exception:
+        log.warning("a request's output sink failed; dropping its output", exc_info=True)
+        return False

@@ -1,0 +1,277 @@
+"""Hardening of the demo server (issue 13), without a model: the scripted FakeEngine of test_demo_unit.
+Each test names the attack or fault it tries and what the server must do instead of freezing, leaking,
+or serving a drive-by request."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import httpx
+import pytest
+from test_demo_unit import FACTS, FakeEngine, HashEncoder
+
+from apps.demo.config import DemoConfig
+from apps.demo.server import BackgroundServer, create_app
+
+
+@contextlib.contextmanager
+def serve(tmp_path, engine=None, **cfg_kw):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir(exist_ok=True)
+    for name, text in FACTS.items():
+        (corpus / name).write_text(text)
+    cfg = DemoConfig(corpus=str(corpus), data_dir=tmp_path / "data", store="memory", **cfg_kw)
+    app = create_app(
+        engine=engine if engine is not None else FakeEngine(delay=0.002), config=cfg, encoder=HashEncoder()
+    )
+    server = BackgroundServer(app).start()
+    assert app.state.demo.library.wait_ready(30)
+    headers = {"Authorization": f"Bearer {cfg.api_key}".encode()} if cfg.api_key else {}
+    client = httpx.Client(base_url=server.url, headers=headers, timeout=60)
+    try:
+        yield server, client, app
+    finally:
+        client.close()
+        server.stop()
+
+
+# ---------------------------------------------------------------------- 1. parsing cannot freeze the server
+def test_healthz_answers_within_a_second_while_the_worst_uploads_are_parsed(tmp_path):
+    limit = 10 << 20  # the default upload limit
+    with serve(tmp_path, parse_cpu_s=2, max_upload_bytes=limit) as (server, client, app):
+        worst = [
+            ("spaces.txt", b"a" + b" " * (limit - 2) + b"b", 202),  # hours of the old quadratic regex
+            ("tags.html", b"<a" * (limit // 2), 400),  # quadratic in html.parser: stopped by the CPU limit
+            ("assert.html", b"<![" * (limit // 3), 400),  # AssertionError inside html.parser
+        ]
+        slowest, stop = [0.0], threading.Event()
+
+        def probe():
+            with httpx.Client(base_url=server.url, timeout=5) as c:
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    c.get("/healthz")
+                    slowest[0] = max(slowest[0], time.perf_counter() - t0)
+                    time.sleep(0.05)
+
+        t = threading.Thread(target=probe, daemon=True)
+        t.start()
+        try:
+            for name, data, status in worst:
+                r = client.post("/api/documents", files={"file": (name, data)})
+                assert r.status_code == status, (name, r.text[:300])
+        finally:
+            stop.set()
+            t.join(10)
+        assert slowest[0] < 1.0, f"/healthz took {slowest[0]:.2f} s while uploads were parsed"
+        assert app.state.demo.library.wait_ready(60)
+
+
+# ---------------------------------------------------------------------- 2. readiness
+def test_healthz_is_503_with_the_reason_while_the_engine_loads(tmp_path):
+    cfg = DemoConfig(corpus="builtin:pydoc:json", data_dir=tmp_path / "data", store="memory")
+    app = create_app(engine=None, config=cfg, encoder=HashEncoder())
+    server = BackgroundServer(app).start()
+    try:
+        r = httpx.get(server.url + "/healthz")
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert r.json()["status"] == "loading" and "loading" in r.json()["reason"]
+    finally:
+        server.stop()
+
+
+def test_healthz_and_chat_are_503_once_the_engine_thread_has_died(tmp_path):
+    from test_runtime_faults import ScriptedLLM
+
+    from epic_rag.engine.runtime import Runtime
+
+    engine = FakeEngine()
+    llm = ScriptedLLM()
+    engine.runtime = Runtime(llm)
+    engine.runtime.start()
+    with serve(tmp_path, engine=engine) as (server, client, app):
+        assert client.get("/healthz").status_code == 200
+        llm.fail = RuntimeError("device lost")
+        engine.runtime.submit("x", None, None, lambda d: None)  # the next step raises: the thread dies
+        engine.runtime._thread.join(5)
+        r = client.get("/healthz")
+        assert r.status_code == 503 and r.json()["status"] == "failed", r.text
+        assert "fatal error" in r.json()["reason"] and "device lost" not in r.text
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 503
+
+
+# ---------------------------------------------------------------------- 3. no drive-by access
+EVIL = "https://evil.example"
+
+
+def test_another_site_cannot_upload_delete_or_chat_without_a_key(tmp_path):
+    with serve(tmp_path, allowed_origins=("https://app.example",)) as (server, client, app):
+        corpus = tmp_path / "corpus"
+        bad = {"Origin": EVIL}
+        # multipart needs no CORS preflight: a page could fetch(..., {mode: "no-cors"}) this
+        r = client.post("/api/documents", files={"file": ("planted.py", b"x = 1\n")}, headers=bad)
+        assert r.status_code == 403 and not (corpus / "planted.py").exists()
+        assert client.delete("/api/documents/bridge.txt", headers=bad).status_code == 403
+        assert (corpus / "bridge.txt").exists()
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert client.post("/v1/chat/completions", json=chat, headers=bad).status_code == 403
+        assert client.post("/v1/chat/completions", json=chat, headers={"Origin": "null"}).status_code == 403
+        assert (
+            client.post("/v1/chat/completions", json=chat, headers={"Sec-Fetch-Site": "cross-site"}).status_code == 403
+        )
+        # the page itself, an allowed origin, and clients that send no Origin (curl, SDKs) are served
+        assert client.post("/v1/chat/completions", json=chat, headers={"Origin": server.url}).status_code == 200
+        assert (
+            client.post("/v1/chat/completions", json=chat, headers={"Origin": "https://app.example"}).status_code == 200
+        )
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+        assert client.get("/api/documents", headers=bad).status_code == 200  # reads are not state changes
+
+
+def test_dns_rebinding_host_names_are_refused_without_a_key(tmp_path):
+    with serve(tmp_path, allowed_hosts=("demo.lan",)) as (server, client, app):
+        assert client.get("/api/documents", headers={"Host": "evil.example"}).status_code == 400
+        assert client.get("/api/documents", headers={"Host": f"evil.example:{server.port}"}).status_code == 400
+        for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "demo.lan:80"):
+            assert client.get("/api/documents", headers={"Host": host}).status_code == 200, host
+
+
+def test_with_a_key_any_host_name_is_served(tmp_path):
+    with serve(tmp_path, api_key="k") as (server, client, app):
+        assert client.get("/api/documents", headers={"Host": "demo.example.com"}).status_code == 200
+
+
+def test_non_loopback_bind_without_a_key_refuses_to_start(tmp_path, monkeypatch):
+    import argparse
+
+    from apps.demo.cli import register
+
+    monkeypatch.delenv("EPIC_RAG_API_KEY", raising=False)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["demo", "--host", "0.0.0.0", "--data-dir", str(tmp_path), "--no-browser-needed"])
+    assert args.func(args) == 2  # before the engine loads or a socket is bound
+
+    from apps.demo.access import check_bind
+
+    check_bind("0.0.0.0", "key", False)
+    check_bind("0.0.0.0", None, True)
+    for local in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        check_bind(local, None, False)
+
+
+def test_api_key_is_checked_before_the_body_is_read(tmp_path):
+    import socket
+
+    with serve(tmp_path, api_key="k") as (server, client, app):
+        with socket.create_connection((server.host, server.port), timeout=5) as s:
+            # declares 5 MB and sends none of it: a 401 now, not after waiting for (and parsing) the body
+            s.sendall(
+                b"POST /api/documents HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+                b"Content-Length: 5000000\r\n\r\n"
+            )
+            assert s.recv(64).startswith(b"HTTP/1.1 401")
+
+
+def test_a_non_ascii_api_key_works_and_is_compared_in_constant_time(tmp_path, monkeypatch):
+    import hmac
+
+    from apps.demo import access
+
+    calls, real = [], hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(access.hmac, "compare_digest", spy)
+    key = "schlüssel-ключ"
+    with serve(tmp_path, api_key=key) as (server, client, app):
+        anon = httpx.Client(base_url=server.url, timeout=10)
+        ok = anon.get("/api/documents", headers={"Authorization": b"Bearer " + key.encode("utf-8")})
+        assert ok.status_code == 200
+        assert anon.get("/api/documents", headers={"X-API-Key": key.encode("utf-8")}).status_code == 200
+        assert anon.get("/api/documents", headers={"X-API-Key": b"schl"}).status_code == 401
+        anon.close()
+    assert calls and all(b == key.encode("utf-8") for _, b in calls)
+
+
+# ---------------------------------------------------------------------- 6. errors never leak internals
+SECRET_PATH = "/home/operator/models/secret-model/model.safetensors"
+
+
+class BrokenEngine(FakeEngine):
+    """Fails generation and compilation with messages full of internals."""
+
+    def compile(self, texts, policy=None):
+        raise RuntimeError(f"{SECRET_PATH}: cannot map the weights")
+
+    async def astream_events(self, prepared):
+        raise RuntimeError(f"CUDA error at {SECRET_PATH}")
+        yield  # an async generator
+
+
+def test_engine_failures_return_a_request_id_not_internals_and_status_shows_no_paths(tmp_path, caplog):
+    with serve(tmp_path, engine=BrokenEngine()) as (server, client, app):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = client.post("/v1/chat/completions", json=body)
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 500 and "request id chatcmpl-" in msg and "/home" not in msg and "CUDA" not in msg
+        rid = msg.split("request id ")[1].split(";")[0]
+        assert rid in caplog.text and SECRET_PATH in caplog.text  # the details are in the server log
+        sse = client.post("/v1/chat/completions", json={**body, "stream": True}).text
+        assert "request id chatcmpl-" in sse and "/home" not in sse and "CUDA" not in sse
+        for path in ("/api/status", "/api/documents"):
+            text = client.get(path).text
+            assert "/home" not in text and str(tmp_path) not in text, text
+
+
+def test_a_redis_password_in_the_store_spec_never_reaches_the_log(caplog):
+    from apps.demo.config import open_demo_store
+
+    open_demo_store("memory+redis://:hunter2@127.0.0.1:1/0?timeout=0.1&bogus=1")
+    assert "hunter2" not in caplog.text and ":***@" in caplog.text
+
+
+# ---------------------------------------------------------------------- 4. admission control and bounds
+def test_beyond_the_inflight_and_queue_bounds_chats_get_429_with_retry_after(tmp_path):
+    import concurrent.futures
+
+    with serve(tmp_path, engine=FakeEngine(delay=0.02), max_inflight=1, max_queued=1) as (server, client, app):
+        body = {"messages": [{"role": "user", "content": "passcode?"}], "max_tokens": 40}  # ~0.8 s each
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            first = [pool.submit(client.post, "/v1/chat/completions", json=body) for _ in range(2)]
+            time.sleep(0.3)  # one running, one queued
+            over = client.post("/v1/chat/completions", json=body)
+            assert over.status_code == 429 and over.headers["retry-after"] == "1", over.text
+            assert [f.result().status_code for f in first] == [200, 200]  # the queued one ran after
+        # streamed and refused requests give their slot back
+        assert client.post("/v1/chat/completions", json={**body, "stream": True}).status_code == 200
+        assert client.post("/v1/chat/completions", json={**body, "max_tokens": 10**6}).status_code == 400
+        adm = app.state.demo.admission
+        assert (adm.running, adm.waiting) == (0, 0)
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "stop, needle",
+    [(["a"] * 5, "at most 4 stop sequences"), ("x" * 65, "at most 64 characters"), (["ok", "y" * 65], "64 characters")],
+)
+def test_stop_sequences_are_bounded_in_count_and_length(tmp_path, stop, needle):
+    with serve(tmp_path) as (server, client, app):
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}], "stop": stop})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_prometheus_policy_labels_come_from_a_fixed_set_not_the_clients_string(tmp_path):
+    with serve(tmp_path) as (server, client, app):
+        for k in (123457, 123458, 123459):
+            body = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 2, "policy": f"LegoLink-{k}"}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+        assert client.post("/v1/chat/completions", json={**body, "policy": "full"}).status_code == 200
+        text = client.get("/metrics").text
+        assert "12345" not in text
+        assert 'policy="legolink"' in text and 'policy="full"' in text

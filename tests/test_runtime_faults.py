@@ -1,0 +1,111 @@
+"""The engine runtime's stepping thread under faults, with a scripted stand-in for vLLM's LLMEngine (no
+model): a dead thread is reported, no request is left waiting for it, and a bad sink cannot kill it."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from epic_rag.engine.runtime import Runtime
+from epic_rag.types import Delta
+
+
+class ScriptedLLM:
+    """Each request yields 3 one-token outputs. `gate` (when set) holds step() until released; `fail`
+    makes step() raise."""
+
+    def __init__(self, steps: int = 3) -> None:
+        self.reqs: dict[str, int] = {}
+        self.steps = steps
+        self.aborted: list[str] = []
+        self.gate: threading.Event | None = None
+        self.in_step = threading.Event()
+        self.fail: BaseException | None = None
+
+    def add_request(self, rid, prompt, params):
+        self.reqs[rid] = 0
+
+    def has_unfinished_requests(self):
+        return bool(self.reqs)
+
+    def abort_request(self, ids):
+        for i in ids:
+            self.aborted.append(i)
+            self.reqs.pop(i, None)
+
+    def step(self):
+        self.in_step.set()
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.fail is not None:
+            raise self.fail
+        outs = []
+        for rid in list(self.reqs):
+            self.reqs[rid] += 1
+            done = self.reqs[rid] >= self.steps
+            if done:
+                del self.reqs[rid]
+            c = SimpleNamespace(text="x", token_ids=[1], finish_reason="length" if done else None)
+            outs.append(SimpleNamespace(request_id=rid, outputs=[c], finished=done))
+        return outs
+
+
+@pytest.fixture()
+def rt():
+    llm = ScriptedLLM()
+    r = Runtime(llm)
+    r.start()
+    yield r, llm
+    r.shutdown()
+
+
+def _last(box: queue.SimpleQueue, timeout: float = 5.0):
+    while True:
+        item = box.get(timeout=timeout)  # queue.Empty (a failed test) instead of waiting for ever
+        if isinstance(item, BaseException) or item.finished:
+            return item
+
+
+def test_a_failed_step_fails_running_and_queued_requests_and_reports_unhealthy(rt):
+    r, llm = rt
+    assert r.health() is None
+    llm.gate = threading.Event()
+    running, queued = queue.SimpleQueue(), queue.SimpleQueue()
+    r.submit("a", None, None, running.put)
+    assert llm.in_step.wait(5)  # the thread is inside step(): the next request stays in the inbox
+    r.submit("b", None, None, queued.put)
+    llm.fail = RuntimeError("CUDA error: device lost")
+    llm.gate.set()
+    assert isinstance(_last(running), RuntimeError)
+    assert isinstance(_last(queued), RuntimeError), "a request in the inbox was left waiting for a dead engine"
+    r._thread.join(5)
+    assert "fatal error" in r.health()
+    with pytest.raises(RuntimeError, match="fatal"):
+        r.submit("c", None, None, queued.put)
+
+
+def test_a_sink_that_raises_cannot_kill_the_stepping_thread(rt):
+    r, llm = rt
+
+    def closed_loop_sink(d):
+        raise RuntimeError("Event loop is closed")
+
+    good = queue.SimpleQueue()
+    r.submit("bad", None, None, closed_loop_sink)
+    r.submit("good", None, None, good.put)
+    d = _last(good)
+    assert isinstance(d, Delta) and d.finished
+    assert r.health() is None and r._thread.is_alive()
+    assert "bad" in llm.aborted  # nobody could take its output: it stopped generating
+    assert r.idle()
+
+
+def test_a_request_submitted_after_shutdown_fails_instead_of_hanging(rt):
+    r, _ = rt
+    r.shutdown()
+    assert r.health() is not None
+    with pytest.raises(RuntimeError, match="shut down"):
+        r.submit("late", None, None, lambda d: None)
