@@ -33,10 +33,16 @@ class DiskStore(ChunkStore):
     name = "disk"
 
     def __init__(
-        self, root: str | os.PathLike, max_bytes: int | None = None, quant: str = "none", fsync: bool = False
+        self,
+        root: str | os.PathLike,
+        max_bytes: int | None = None,
+        quant: str = "none",
+        fsync: bool = False,
+        secret: str | bytes | None = None,
     ) -> None:
         super().__init__()
         check_quant(quant)
+        self.secret = codec.deployment_secret(secret)
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError("disk store budget must be positive")
         self.root = Path(root).expanduser().absolute()
@@ -101,7 +107,7 @@ class DiskStore(ChunkStore):
         try:
             if got != len(buf):
                 raise codec.CorruptEntry(f"file shrank while reading ({got} of {len(buf)} bytes)")
-            kv = codec.decode(buf, key, self.quant)
+            kv = codec.decode(buf, key, self.quant, self.secret)
         except codec.CorruptEntry as e:
             self._drop(path, st, e)
             return None
