@@ -16,7 +16,8 @@ from ..matching import ChunkTextIndex
 from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
 from ..policy import CHUNK_VARIANT, SINK_LEN, parse_policy
 from ..prompt import assemble, encode_text, to_segments
-from ..store import open_store
+from ..store import ChunkKV, ChunkStore, open_store
+from ..store.checked import KeyCheckedStore
 from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Sampling, Segment
 from . import vllm_api
 from .board import BOARD, LinkJob
@@ -46,16 +47,29 @@ class EpicEngine:
             model_fingerprint(self.model_dir), tokenizer_fingerprint(self.tokenizer), self.kv_info["kv_dtype"]
         )
         self.chunks = ChunkResolver(store, self.runtime, self.tokenizer, fp, self.kv_info, self.max_model_len)
+        self.store = store  # read through the key check (see the setter)
         self.runtime.start()
 
     @property
-    def store(self):
+    def store(self) -> ChunkStore:
         """The chunk store compiled KV is read from and written to (may be swapped for another)."""
-        return self.chunks.store
+        store = self.chunks.store
+        return store.inner if isinstance(store, KeyCheckedStore) else store
 
     @store.setter
-    def store(self, store) -> None:
-        self.chunks.store = store
+    def store(self, store: ChunkStore) -> None:
+        # Every entry the engine reads must hold the tokens its key was computed from (store/checked.py).
+        self.chunks.store = KeyCheckedStore(store, self._entry_key)
+
+    def _entry_key(self, kv: ChunkKV) -> str | None:
+        """The key this engine would store `kv` under, from its own token ids (a chunk record holds the
+        sink token(s) before the chunk's tokens); None when the record cannot be this engine's."""
+        variant, ids = kv.key.partition("-")[0], kv.token_ids
+        if variant == CHUNK_VARIANT:
+            if ids[:SINK_LEN] != [self.chunks.sink_token] * SINK_LEN:
+                return None
+            ids = ids[SINK_LEN:]
+        return self.chunks.key(ids, variant)
 
     # ------------------------------------------------------------------ compile
     def chunk_key(self, token_ids: Sequence[int], variant: str = CHUNK_VARIANT) -> str:
