@@ -15,7 +15,7 @@ from ..keys import kv_fingerprint
 from ..matching import ChunkTextIndex
 from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
 from ..policy import CHUNK_VARIANT, SINK_LEN, parse_policy
-from ..prompt import assemble, encode_text, to_segments
+from ..prompt import assemble, encode_glue, render_messages, to_segments
 from ..store import ChunkKV, ChunkStore, open_store
 from ..store.checked import KeyCheckedStore
 from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Sampling, Segment
@@ -92,9 +92,8 @@ class EpicEngine:
     # ------------------------------------------------------------------ prompts
     def render_messages(self, messages: Sequence[dict]) -> list[Segment]:
         """Chat-template role/content messages (generation prompt added); compiled chunk texts found in
-        the result become ChunkRef segments."""
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        return self.text_index.split(text)
+        them become ChunkRef segments, the rest of their text is tokenized as plain text (prompt.py)."""
+        return render_messages(self.tokenizer, self.text_index, messages)
 
     def prepare(
         self,
@@ -122,7 +121,7 @@ class EpicEngine:
         segments = to_segments(self.tokenizer, self.text_index, request)
         sink = [self.chunks.sink_token] * SINK_LEN if pol.keeps_sink else []
         prompt = assemble(
-            segments, lambda s: encode_text(self.tokenizer, s), self.chunks.place, self.max_model_len, sink
+            segments, lambda s: encode_glue(self.tokenizer, s), self.chunks.place, self.max_model_len, sink
         )
         return PreparedRequest(
             prompt.token_ids,
