@@ -128,3 +128,94 @@ def test_engine_prompts_tokenize_client_and_document_text_as_text(tiny_engine):
     chat = tiny_engine.prepare(tiny_engine.render_messages([{"role": "user", "content": INJECTED}]), policy="full")
     for prep in (rag, chat):
         assert _specials(tok, prep.token_ids) == [tok.bos_token_id]
+
+
+# ------------------------------------------------------------------ owner-only files, bounded state, uploads
+def test_disk_tier_writes_entries_owner_only(tmp_path):
+    from test_store import make_kv
+
+    from epic_rag.store import DiskStore
+
+    s = DiskStore(tmp_path / "kv")
+    s.put(make_kv())
+    assert (tmp_path / "kv").stat().st_mode & 0o777 == 0o700
+    assert [p.stat().st_mode & 0o777 for p in (tmp_path / "kv").iterdir()] == [0o600]
+
+
+class _ConstEncoder:
+    """Every text embeds to one fixed vector (stands in for two different encoders)."""
+
+    def __init__(self, epic_encoder_id: str, dim: int) -> None:
+        self.epic_encoder_id, self.dim = epic_encoder_id, dim
+
+    def encode(self, texts, normalize_embeddings=True, batch_size=32, show_progress_bar=False):
+        import numpy as np
+
+        out = np.zeros((len(texts), 384), dtype=np.float32)
+        out[:, self.dim] = 1.0
+        return out
+
+
+def test_embedding_cache_is_keyed_by_the_encoder(tmp_path):
+    from apps.demo.config import DemoConfig
+    from apps.demo.library import Library
+
+    cfg = DemoConfig(data_dir=tmp_path, store="memory")
+    a = Library(cfg, encoder=_ConstEncoder("enc-a", 0))._embed(["same text"], progress=True)
+    b = Library(cfg, encoder=_ConstEncoder("enc-b", 1))._embed(["same text"], progress=True)
+    assert a[0, 0] == 1.0 and b[0, 1] == 1.0  # b was not served a's cached vector
+    again = Library(cfg, encoder=_ConstEncoder("enc-a", 2))._embed(["same text"], progress=True)
+    assert again[0, 0] == 1.0  # a's own cache still hits
+
+
+def test_concurrent_uploads_of_one_name_do_not_collide_and_are_owner_only(tmp_path):
+    import threading
+
+    from apps.demo.config import DemoConfig
+    from apps.demo.library import Library
+
+    lib = Library(DemoConfig(data_dir=tmp_path, store="memory"), encoder=_ConstEncoder("e", 0))
+    errors: list[BaseException] = []
+
+    def upload(t: int) -> None:
+        for i in range(15):
+            try:  # each upload has its own length, so the index says which one it holds
+                lib.add_upload("same.txt", b"x" * (100 + 20 * t + i))
+            except BaseException as e:  # any failure is the collision under test
+                errors.append(e)
+
+    threads = [threading.Thread(target=upload, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    path = lib.cfg.uploads_dir / "same.txt"
+    assert errors == []
+    assert lib.docs["same.txt"].chars == len(path.read_bytes())  # file and index agree on the winner
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in lib.cfg.uploads_dir.iterdir()) == ["same.txt"]  # no temp files left
+
+
+def test_progress_errors_are_bounded():
+    from apps.demo.library import MAX_ERRORS, Progress
+
+    p = Progress()
+    for i in range(MAX_ERRORS * 3):
+        p.errors.append(f"error {i}")
+    assert len(p.errors) == MAX_ERRORS and p.as_dict()["errors"][-1] == f"error {MAX_ERRORS * 3 - 1}"
+
+
+def test_text_index_is_a_bounded_lru():
+    from epic_rag.matching import MAX_TEXTS, ChunkTextIndex
+    from epic_rag.types import ChunkRef
+
+    assert ChunkTextIndex().max_texts == MAX_TEXTS
+    idx = ChunkTextIndex(max_texts=3)
+    texts = [f"chunk number {i} with enough characters to match" for i in range(4)]
+    for t in texts[:3]:
+        idx.add(ChunkRef(f"k{t[13]}", 8, t))
+    assert [r.text for r in idx.split(texts[0]) if isinstance(r, ChunkRef)] == [texts[0]]  # used: kept
+    idx.add(ChunkRef("k3", 8, texts[3]))  # evicts the least recently used: texts[1]
+    assert len(idx) == 3 and texts[1] not in idx and texts[0] in idx
+    prompt = " / ".join(texts)
+    assert [r.text for r in idx.split(prompt) if isinstance(r, ChunkRef)] == [texts[0], texts[2], texts[3]]

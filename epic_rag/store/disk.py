@@ -54,7 +54,7 @@ class DiskStore(ChunkStore):
         self._last_scan = 0.0
         self._evict_lock = threading.Lock()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)  # KV reveals documents: owner-only
         except OSError as e:
             self._log_error(
                 "mkdir", f"disk tier {self.root}: cannot create the folder ({e}); it will miss until the folder exists"
@@ -144,7 +144,7 @@ class DiskStore(ChunkStore):
         path = self._path(kv.key)
         tmp = self.root / f"{_TMP}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
