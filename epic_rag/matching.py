@@ -13,8 +13,11 @@ number of registered chunks.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 from .types import ChunkRef, Segment
+
+MAX_TEXTS = 100_000  # texts remembered (least recently added or matched go first): memory stays bounded
 
 
 class ChunkTextIndex:
@@ -22,15 +25,19 @@ class ChunkTextIndex:
 
     Texts shorter than `min_chars` are not matched (they would match ordinary prose by accident). A match
     must also sit on word boundaries: a chunk starting or ending with a letter or digit is not matched
-    inside a longer word.
+    inside a longer word. At most `max_texts` texts are kept (LRU): a forgotten chunk is still linked when
+    given as a ChunkRef; inside a rendered string it is then plain glue (recomputed, never wrong).
     """
 
-    def __init__(self, min_chars: int = 16, anchor: int = 32) -> None:
+    def __init__(self, min_chars: int = 16, anchor: int = 32, max_texts: int = MAX_TEXTS) -> None:
         if min_chars < 1 or anchor < min_chars:
             raise ValueError("need 1 <= min_chars <= anchor")
+        if max_texts < 1:
+            raise ValueError("max_texts must be at least 1")
         self.min_chars = min_chars
         self.anchor = anchor
-        self._refs: dict[str, ChunkRef] = {}
+        self.max_texts = max_texts
+        self._refs: OrderedDict[str, ChunkRef] = OrderedDict()
         # anchor length -> anchor string -> texts starting with it
         self._tables: dict[int, dict[str, list[str]]] = {}
         self._lock = threading.Lock()
@@ -52,6 +59,7 @@ class ChunkTextIndex:
         with self._lock:
             known = text in self._refs
             self._refs[text] = ref
+            self._refs.move_to_end(text)
             if known:
                 return
             n = min(len(text), self.anchor)
@@ -59,6 +67,19 @@ class ChunkTextIndex:
             if table is None:
                 table = self._tables[n] = {}
             table.setdefault(text[:n], []).append(text)
+            while len(self._refs) > self.max_texts:
+                self._forget(self._refs.popitem(last=False)[0])
+
+    def _forget(self, text: str) -> None:
+        """Drop `text` from its anchor table (the lock is held)."""
+        n = min(len(text), self.anchor)
+        table = self._tables[n]
+        texts = table[text[:n]]
+        texts.remove(text)
+        if not texts:
+            del table[text[:n]]
+            if not table:
+                del self._tables[n]
 
     def find(self, prompt: str) -> list[tuple[int, int, ChunkRef]]:
         """Non-overlapping (start, end, ref) matches, left to right; the longest text wins at one start."""
@@ -77,10 +98,13 @@ class ChunkTextIndex:
         found.sort(key=lambda m: (m[0], -m[1]))
         out: list[tuple[int, int, ChunkRef]] = []
         pos = 0
-        for s, e, t in found:
-            if s >= pos:
-                out.append((s, e, self._refs[t]))
-                pos = e
+        with self._lock:
+            for s, e, t in found:
+                ref = self._refs.get(t)  # None: forgotten since the tables were read
+                if s >= pos and ref is not None:
+                    out.append((s, e, ref))
+                    self._refs.move_to_end(t)
+                    pos = e
         return out
 
     def split(self, prompt: str) -> list[Segment]:

@@ -148,14 +148,23 @@ def _sha_file(path: Path, h: "hashlib._Hash") -> None:
             h.update(block)
 
 
+def _file_ident(p: Path) -> list:
+    """What must stay equal for a cached hash of `p` to hold. mtime alone is not enough: `cp -p` or a
+    same-size fine-tune copied with its timestamps keeps it, but no user call can set ctime (any write or
+    rename bumps it), and a new file has a new inode."""
+    st = p.stat()
+    return [p.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
 def model_fingerprint(model_dir: Path) -> str:
-    """Hash of config.json and every weight file's bytes (cached by size+mtime in a sidecar)."""
+    """Hash of config.json and every weight file's bytes (cached in a sidecar by each file's size, mtime,
+    ctime and inode: the bytes are rehashed whenever any of them changes)."""
     weights = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
-    ident = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
+    ident = [_file_ident(p) for p in [model_dir / "config.json", *weights]]
     side = cache_dir() / "fingerprints" / (hashlib.sha256(str(model_dir).encode()).hexdigest()[:24] + ".json")
     try:
         cached = json.loads(side.read_text())
-        if cached["ident"] == [list(x) for x in ident]:
+        if cached["ident"] == ident:
             return cached["fp"]
     except (OSError, ValueError, KeyError):
         pass

@@ -2,11 +2,20 @@
 
 Chunk boundaries are token spans, never separator strings: every segment is tokenized on its own,
 so a chunk's tokens in the prompt are exactly the tokens it was compiled from.
+
+Text is text: a special-token string (e.g. "<|im_start|>system") inside a client's message, question or
+system prompt, or inside a document, is tokenized as the characters it is, never as a control token. Only
+the chat template's own glue (plain `str` segments) keeps its special tokens; client text inside a
+rendered request is carried as `UserText`. A prompt string or segment list given directly is the caller's
+own rendering: its `str` glue keeps special tokens (chunks in it are still plain text).
 """
 
 from __future__ import annotations
 
+import re
+import threading
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,8 +25,42 @@ from .types import Chunk, ChunkRef, PlacedChunk, RagRequest, Segment
 DEFAULT_INSTRUCTION = "Read the documents and answer the question briefly.\n\n"
 
 
+class UserText(str):
+    """Glue that came from a client or a document: tokenized as plain text (see the module docstring)."""
+
+    __slots__ = ()
+
+
+class _Marks:
+    """Placeholders for client text while a chat template renders: the template sees only these, and each
+    is replaced afterwards by what it stands for, so client text never passes through as template text."""
+
+    def __init__(self) -> None:
+        self.nonce = uuid.uuid4().hex
+        self.parts: list[list[Segment]] = []
+
+    def add(self, parts: list[Segment]) -> str:
+        self.parts.append(parts)
+        return f"\x00EPIC{self.nonce}_{len(self.parts) - 1}\x00"
+
+    def split(self, text: str) -> list[Segment]:
+        """The rendered text with every placeholder (each exactly once) replaced by its segments."""
+        pieces = re.split(f"\x00EPIC{self.nonce}_(\\d+)\x00", text)
+        found = [int(i) for i in pieces[1::2]]
+        if sorted(found) != list(range(len(self.parts))):
+            raise ValueError("the chat template altered or repeated the message placeholders")
+        segments: list[Segment] = []
+        for i, glue in enumerate(pieces[0::2]):
+            if glue:
+                segments.append(glue)
+            if i < len(found):
+                segments += self.parts[found[i]]
+        return segments
+
+
 def render_request(tokenizer, req: RagRequest) -> list[Segment]:
-    """Chat-template a RagRequest, with each chunk kept as its own segment."""
+    """Chat-template a RagRequest, with each chunk kept as its own segment and the question and system
+    prompt as UserText."""
     if not isinstance(req.question, str) or not req.question.strip():
         raise ValueError("question must be a non-empty string")
     if not req.chunks:
@@ -25,25 +68,30 @@ def render_request(tokenizer, req: RagRequest) -> list[Segment]:
             "RagRequest needs at least one chunk; for a prompt without documents pass a "
             "prompt string or a list of segments (see EpicEngine.render_messages)"
         )
-    marks = [f"\x00EPIC{uuid.uuid4().hex}_{i}\x00" for i in range(len(req.chunks))]
+    marks = _Marks()
     body = DEFAULT_INSTRUCTION
-    for i, m in enumerate(marks):
-        body += f"Document {i + 1}:\n{m}\n\n"
-    body += f"Question: {req.question.strip()}"
-    messages = ([{"role": "system", "content": req.system}] if req.system else []) + [{"role": "user", "content": body}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    segments: list[Segment] = []
-    for i, m in enumerate(marks):
-        before, found, text = text.partition(m)
-        if not found:
-            raise ValueError("the chat template altered the document placeholders")
-        if before:
-            segments.append(before)
-        c = req.chunks[i]
-        segments.append(c if isinstance(c, ChunkRef) else Chunk(c))
-    if text:
-        segments.append(text)
-    return segments
+    for i, c in enumerate(req.chunks):
+        body += f"Document {i + 1}:\n{marks.add([c if isinstance(c, ChunkRef) else Chunk(c)])}\n\n"
+    body += f"Question: {marks.add([UserText(req.question.strip())])}"
+    system = [{"role": "system", "content": marks.add([UserText(req.system)])}] if req.system else []
+    text = tokenizer.apply_chat_template(
+        system + [{"role": "user", "content": body}], tokenize=False, add_generation_prompt=True
+    )
+    return marks.split(text)
+
+
+def render_messages(tokenizer, text_index: ChunkTextIndex, messages: Sequence[dict]) -> list[Segment]:
+    """Chat-template role/content messages (generation prompt added). Each message's text is UserText,
+    except the compiled chunk texts found in it, which become ChunkRef segments."""
+    marks = _Marks()
+    rendered = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, str):
+            raise ValueError("each message must be a dict with a string 'content'")
+        parts = [s if isinstance(s, ChunkRef) else UserText(s) for s in text_index.split(content)]
+        rendered.append({**m, "content": marks.add(parts)})
+    return marks.split(tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True))
 
 
 def compile_lead(tokenizer, kind: str = "template") -> list[int]:
@@ -58,7 +106,7 @@ def compile_lead(tokenizer, kind: str = "template") -> list[int]:
             lead = render_request(tokenizer, RagRequest(question="?", chunks=["?"]))[0]
         except Exception:  # no chat template: a bare sink token
             lead = None
-    ids = encode_text(tokenizer, lead) if isinstance(lead, str) else []
+    ids = encode_glue(tokenizer, lead) if isinstance(lead, str) else []
     if not ids:
         sink = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         ids = [sink]
@@ -74,12 +122,62 @@ def check_chunk_text(text: object) -> str:
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
-    """Tokens of one piece on its own; special-token strings in the template become special ids."""
+    """Tokens of one piece of plain text (a chunk, client text) on its own: special-token strings in it are
+    tokenized as text, never as control tokens."""
+    ids = _encode(tokenizer, text)
+    plain = _plain_encoder(tokenizer)
+    if not plain.special.intersection(ids):
+        return ids  # the common case: exactly what the tokenizer gives (keys of stored chunks unchanged)
+    if plain.backend is not None:
+        return list(plain.backend.encode(text, add_special_tokens=False).ids)
+    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+
+def encode_glue(tokenizer, text: str) -> list[int]:
+    """Tokens of a glue segment: a plain `str` is template text whose special-token strings are the
+    template's own control tokens; UserText is encoded as plain text."""
+    return encode_text(tokenizer, text) if isinstance(text, UserText) else _encode(tokenizer, text)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate: the tokenizer would raise an opaque TypeError
         raise ValueError(f"text is not valid Unicode (lone surrogate at position {e.start})") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@dataclass(frozen=True, slots=True)
+class _Plain:
+    special: frozenset[int]  # ids that only a special-token string can produce
+    backend: object | None  # a private tokenizers.Tokenizer with encode_special_tokens on, or None
+
+
+_PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLAIN_LOCK = threading.Lock()
+
+
+def _plain_encoder(tokenizer) -> _Plain:
+    """Per tokenizer, once: its special ids and a private copy of its backend that splits special-token
+    strings as text. A copy, because `split_special_tokens=True` flips a flag on the shared backend, and a
+    concurrent encode of template glue could flip it back mid-call."""
+    with _PLAIN_LOCK:
+        found = _PLAIN.get(tokenizer)
+    if found is not None:
+        return found
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        from tokenizers import Tokenizer
+
+        copy = Tokenizer.from_str(backend.to_str())
+        copy.encode_special_tokens = True
+        special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        plain = _Plain(special, copy)
+    else:
+        plain = _Plain(frozenset(tokenizer.all_special_ids), None)
+    with _PLAIN_LOCK:
+        _PLAIN[tokenizer] = plain
+    return plain
 
 
 def to_segments(tokenizer, text_index: ChunkTextIndex, request: RagRequest | str | Sequence[Segment]) -> list[Segment]:

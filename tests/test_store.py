@@ -287,6 +287,78 @@ def test_verify_checks_without_touching_lru_order(tmp_path):
     assert not s.verify(kv.key) and not p.exists()
 
 
+# ------------------------------------------------------------------ deployment secret (HMAC)
+SECRET = "a deployment secret"
+
+
+def test_with_a_secret_an_entry_planted_without_it_is_refused_and_dropped(tmp_path):
+    # Anyone who can write the shared folder can compute a sha256; only secret holders can sign.
+    DiskStore(tmp_path).put(make_kv(seed=1))
+    reader = DiskStore(tmp_path, secret=SECRET)
+    assert reader.get("plain-aaaa") is None
+    assert reader.stats.corrupt == 1 and not entry_path(reader, "plain-aaaa").exists()
+
+
+def test_with_a_secret_signed_entries_round_trip_and_another_secret_is_refused(tmp_path):
+    kv = make_kv(seed=2)
+    DiskStore(tmp_path, secret=SECRET).put(kv)
+    assert_same(DiskStore(tmp_path, secret=SECRET).get(kv.key), kv)
+    other = DiskStore(tmp_path, secret="another secret")
+    assert other.get(kv.key) is None and other.stats.corrupt == 1
+
+
+def test_with_a_secret_a_forged_entry_with_a_copied_hmac_is_refused(tmp_path):
+    # The forger re-computes the sha256 over its own KV and copies a genuine entry's HMAC.
+    from safetensors.torch import save
+
+    s = DiskStore(tmp_path, secret=SECRET)
+    s.put(make_kv(seed=3))
+    genuine = codec.read_header(entry_path(s, "plain-aaaa").read_bytes())[1]
+    meta, tensors = codec.pack(make_kv(seed=4), "none")
+    meta["sha256"] = codec._digest(meta, ((n, codec._tensor_bytes(tensors[n])) for n in sorted(tensors)))
+    meta["hmac"] = genuine["hmac"]
+    entry_path(s, "plain-aaaa").write_bytes(save(tensors, metadata={"epic": json.dumps(meta)}))
+    assert s.get("plain-aaaa") is None and s.stats.corrupt == 1
+
+
+def test_a_reader_without_the_secret_still_checks_and_keeps_signed_entries(tmp_path):
+    # `store verify` run without the secret must not delete a signed deployment's entries.
+    kv = make_kv(seed=5)
+    DiskStore(tmp_path, secret=SECRET).put(kv)
+    plain = DiskStore(tmp_path)
+    assert plain.verify(kv.key) and plain.stats.corrupt == 0
+    _flip(entry_path(plain, kv.key), -1)
+    assert not plain.verify(kv.key)
+
+
+def test_the_secret_comes_from_the_spec_or_the_environment_and_is_not_in_repr(tmp_path, monkeypatch):
+    monkeypatch.delenv(codec.SECRET_ENV, raising=False)
+    assert open_store(f"disk:{tmp_path}/a").secret is None
+    assert open_store(f"disk:{tmp_path}/a?secret=s1").secret == b"s1"
+    monkeypatch.setenv(codec.SECRET_ENV, "s2")
+    store = open_store(f"memory+disk:{tmp_path}/a")
+    assert store.tiers[1].secret == b"s2" and "s2" not in repr(store)
+    assert open_store(f"disk:{tmp_path}/a?secret=s1").secret == b"s1"  # the spec wins
+
+
+def test_key_checked_view_refuses_an_entry_whose_tokens_hash_to_another_key(caplog):
+    from epic_rag.keys import chunk_key
+    from epic_rag.store import KeyCheckedStore
+
+    inner = MemoryStore()
+    view = KeyCheckedStore(inner, lambda e: chunk_key("fp", e.token_ids, "plain"))
+    genuine = make_kv(seed=6)
+    genuine = ChunkKV(chunk_key("fp", genuine.token_ids, "plain"), genuine.token_ids, genuine.k, genuine.v)
+    view.put(genuine)
+    assert_same(view.get(genuine.key), genuine)
+    misfiled = make_kv(genuine.key, seed=7)  # other tokens and KV under the genuine key
+    inner.put(misfiled)
+    with caplog.at_level(logging.ERROR, logger="epic_rag.store"):
+        assert view.get(genuine.key) is None
+    assert view.stats.corrupt == 1 and "do not hash to its key" in caplog.text
+    assert inner.contains(genuine.key)  # refused, not deleted: a recompile overwrites it
+
+
 # ------------------------------------------------------------------ int8
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("spec", ["memory?quant=int8", "disk:{tmp}/q?quant=int8"])

@@ -263,3 +263,13 @@ def test_cli_stats_reads_a_live_redis(url):
     open_store(url).put(make_kv())
     assert _cli("store", "stats", "--store", url) == 0
     assert "redis: 1 entries" in _OUT.out
+
+
+def test_redis_with_a_secret_refuses_and_drops_an_entry_planted_without_it(url, server):
+    kv = make_kv(seed=7)
+    open_store(url).put(kv)  # a writer to the shared Redis without the deployment secret
+    signed = open_store(url + "&secret=s3")
+    assert signed.get(kv.key) is None and signed.stats.corrupt == 1
+    assert not signed.contains(kv.key)
+    signed.put(kv)
+    assert_same(signed.get(kv.key), kv)

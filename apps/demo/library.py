@@ -12,8 +12,10 @@ import logging
 import os
 import queue
 import re
+import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,7 @@ from .config import DemoConfig
 log = logging.getLogger(__name__)
 
 _WINDOWS_DRIVE = re.compile(r"^[A-Za-z]:")
+MAX_ERRORS = 100  # progress errors kept (the oldest go): a long-running server must not grow without bound
 
 
 def safe_upload_name(name: object) -> str:
@@ -97,7 +100,7 @@ class Progress:
     embedded: int = 0
     compiled: int = 0
     compile_seconds: float = 0.0
-    errors: list[str] = field(default_factory=list)
+    errors: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_ERRORS))
     started: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict:
@@ -108,7 +111,7 @@ class Progress:
             "embedded": self.embedded,
             "compiled": self.compiled,
             "compile_seconds": round(self.compile_seconds, 2),
-            "errors": self.errors[-10:],
+            "errors": list(self.errors)[-10:],
             "elapsed_s": round(time.time() - self.started, 1),
         }
 
@@ -179,19 +182,29 @@ class Library:
         name = safe_upload_name(filename)
         doc = read_document(name, data, self.parse_limits)  # ValueError on anything it cannot read
         folder = self.cfg.uploads_dir
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # owner-only where it creates the folder
         path = (folder / name).resolve()
         if path.parent != folder.resolve():
             raise ValueError("file name resolves outside the upload folder")
-        tmp = path.with_name(f".{name}.{os.getpid()}.part")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-        info = DocInfo(name, "upload", path, len(doc.text))
-        with self._lock:
-            self._remove_locked(name)
-            self.docs[name] = info
-            self.progress.documents = len(self.docs)
-        self._tasks.put(("add", doc, info))
+        # A unique owner-only (0o600) temp file: concurrent uploads of one name never share it, and its
+        # name stays short whatever the upload's name (a dot-name, so a corpus scan skips it).
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".upload-", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            info = DocInfo(name, "upload", path, len(doc.text))
+            with self._lock:  # file and index replaced together: the last upload of a name wins in both
+                os.replace(tmp, path)
+                self._remove_locked(name)
+                self.docs[name] = info
+                self.progress.documents = len(self.docs)
+                self._tasks.put(("add", doc, info))
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         return info
 
     def delete(self, name: str) -> DocInfo | None:
@@ -406,7 +419,10 @@ class Library:
     def _embed(self, texts: list[str], progress: bool = False) -> np.ndarray:
         """L2-normalised embeddings [N, D]; document chunks are cached under data_dir/embeddings."""
         out: list[np.ndarray | None] = [None] * len(texts)
-        keys = [hashlib.sha256(t.encode()).hexdigest()[:32] for t in texts] if progress else []
+        keys: list[str] = []
+        if progress:  # keyed by the encoder too: another encoder's vectors are never read back
+            enc = self.encoder_id.encode() + b"\0"
+            keys = [hashlib.sha256(enc + t.encode()).hexdigest()[:32] for t in texts]
         todo = list(range(len(texts)))
         if progress:
             todo = []
@@ -437,6 +453,13 @@ class Library:
         if not texts:
             return np.zeros((0, 384), dtype=np.float32)
         return np.stack(out).astype(np.float32)  # type: ignore[arg-type]
+
+    @property
+    def encoder_id(self) -> str:
+        """What cached embeddings depend on besides their text (see epic_rag.embeddings.encoder_id)."""
+        from epic_rag.embeddings import encoder_id, minilm_id
+
+        return minilm_id() if self._encoder is None else encoder_id(self._encoder)  # without loading it
 
     def _save_embedding(self, key: str, vec: np.ndarray) -> None:
         try:

@@ -15,8 +15,9 @@ from ..keys import kv_fingerprint
 from ..matching import ChunkTextIndex
 from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
 from ..policy import SINK_LEN, parse_policy
-from ..prompt import assemble, compile_lead, encode_text, to_segments
-from ..store import open_store
+from ..prompt import assemble, compile_lead, encode_glue, render_messages, to_segments
+from ..store import ChunkKV, ChunkStore, open_store
+from ..store.checked import KeyCheckedStore
 from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Sampling, Segment
 from . import vllm_api
 from .board import BOARD, LinkJob
@@ -47,16 +48,29 @@ class EpicEngine:
         )
         lead = compile_lead(self.tokenizer, config.compile_lead)
         self.chunks = ChunkResolver(store, self.runtime, self.tokenizer, fp, self.kv_info, self.max_model_len, lead)
+        self.store = store  # read through the key check (see the setter)
         self.runtime.start()
 
     @property
-    def store(self):
+    def store(self) -> ChunkStore:
         """The chunk store compiled KV is read from and written to (may be swapped for another)."""
-        return self.chunks.store
+        store = self.chunks.store
+        return store.inner if isinstance(store, KeyCheckedStore) else store
 
     @store.setter
-    def store(self, store) -> None:
-        self.chunks.store = store
+    def store(self, store: ChunkStore) -> None:
+        # Every entry the engine reads must hold the tokens its key was computed from (store/checked.py).
+        self.chunks.store = KeyCheckedStore(store, self._entry_key)
+
+    def _entry_key(self, kv: ChunkKV) -> str | None:
+        """The key this engine would store `kv` under, from its own token ids (a chunk record holds the
+        sink token(s) before the chunk's tokens); None when the record cannot be this engine's."""
+        variant, ids = kv.key.partition("-")[0], kv.token_ids
+        if variant == self.chunks.variant:
+            if ids[:SINK_LEN] != [self.chunks.sink_token] * SINK_LEN:
+                return None
+            ids = ids[SINK_LEN:]
+        return self.chunks.key(ids, variant)
 
     # ------------------------------------------------------------------ compile
     def chunk_key(self, token_ids: Sequence[int], variant: str | None = None) -> str:
@@ -79,9 +93,8 @@ class EpicEngine:
     # ------------------------------------------------------------------ prompts
     def render_messages(self, messages: Sequence[dict]) -> list[Segment]:
         """Chat-template role/content messages (generation prompt added); compiled chunk texts found in
-        the result become ChunkRef segments."""
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        return self.text_index.split(text)
+        them become ChunkRef segments, the rest of their text is tokenized as plain text (prompt.py)."""
+        return render_messages(self.tokenizer, self.text_index, messages)
 
     def prepare(
         self,
@@ -109,7 +122,7 @@ class EpicEngine:
         segments = to_segments(self.tokenizer, self.text_index, request)
         sink = [self.chunks.sink_token] * SINK_LEN if pol.keeps_sink else []
         prompt = assemble(
-            segments, lambda s: encode_text(self.tokenizer, s), self.chunks.place, self.max_model_len, sink
+            segments, lambda s: encode_glue(self.tokenizer, s), self.chunks.place, self.max_model_len, sink
         )
         return PreparedRequest(
             prompt.token_ids,

@@ -1,6 +1,7 @@
 """Chunk KV store: tiers behind one interface, opened from a spec string."""
 
 from .base import ChunkKV, ChunkStore, TierStats
+from .checked import KeyCheckedStore
 from .codec import CorruptEntry
 from .disk import DiskStore
 from .memory import MemoryStore
@@ -15,11 +16,11 @@ def open_store(spec: "str | ChunkStore") -> ChunkStore:
 
         memory[?max_bytes=SIZE&quant=int8]           process-private LRU (default budget 4GiB)
         memory:SIZE                                   same, older form of the budget
-        disk:FOLDER[?max_bytes=SIZE&quant=int8&fsync=1]
+        disk:FOLDER[?max_bytes=SIZE&quant=int8&fsync=1&secret=S]
                                                       one safetensors file per chunk; LRU by mtime under
                                                       max_bytes (default: unbounded); several processes may
                                                       share FOLDER; fsync=1 syncs each file before its rename
-        redis://[user:password@]HOST[:PORT][/DB][?ttl=SECONDS&prefix=P&timeout=SECONDS&retry_s=SECONDS&quant=int8]
+        redis://[user:password@]HOST[:PORT][/DB][?ttl=SECONDS&prefix=P&timeout=SECONDS&retry_s=SECONDS&quant=int8&secret=S]
         rediss://...  (TLS)     unix://SOCKET_PATH[?db=N&...]
                                                       shared Redis; keys are PREFIX<chunk key> (default
                                                       prefix "epic:kv:"); ttl sets an expiry on each write;
@@ -34,6 +35,11 @@ def open_store(spec: "str | ChunkStore") -> ChunkStore:
     fp32, 1.9x smaller than bf16) and dequantizes on read to the model dtype; it is lossy. Its entries
     live under a separate name ("<key>@int8"), so exact and int8 entries never collide, and KV that went
     through an int8 tier is never written into an exact disk or Redis tier.
+
+    Shared tiers (disk, redis) take secret=S, a deployment secret (default: $EPIC_RAG_KV_SECRET): entries
+    are then signed with an HMAC, and entries without a valid one (written without the secret, or planted by
+    anyone who can write the folder or Redis but lacks the secret) are refused and dropped. Prefer the
+    environment variable: a spec string may end up in logs.
 
     Examples: "memory", "memory?max_bytes=2G+disk:/var/cache/epic-rag?max_bytes=50G",
     "memory+disk:/tmp/kv+redis://127.0.0.1:6379/0?ttl=86400", "redis://cache:6379/1?quant=int8".
@@ -65,5 +71,6 @@ __all__ = [
     "DiskStore",
     "RedisStore",
     "TieredStore",
+    "KeyCheckedStore",
     "open_store",
 ]

@@ -121,6 +121,7 @@ class ChunkStore(ABC):
     """
 
     name: str = "store"
+    secret: bytes | None = None  # a shared tier's HMAC key (codec.deployment_secret); never logged
 
     def __init__(self) -> None:
         self.stats = TierStats()

@@ -1,4 +1,5 @@
-"""One chunk entry as bytes: safetensors with a JSON header, a sha256 checksum and optional int8 packing.
+"""One chunk entry as bytes: safetensors with a JSON header, a checksum (an HMAC under a deployment secret)
+and optional int8 packing.
 
 Layout (a plain safetensors file, readable by `safetensors.safe_open`):
 
@@ -6,18 +7,24 @@ Layout (a plain safetensors file, readable by `safetensors.safe_open`):
               k_q, v_q        [L, T, H, D] int8                               (quant "int8")
               k_scale, v_scale [L, T, H, 1] float32  (x ~= x_q * scale, per token per head)
               token_ids       [T] int64
-    metadata  {"epic": JSON}  format, key, quant, dtype, shape [L, T, H, D], base_pos, sha256
+    metadata  {"epic": JSON}  format, key, quant, dtype, shape [L, T, H, D], base_pos, sha256[, hmac]
 
-The checksum is sha256 over the canonical JSON header (without the checksum) and every tensor's bytes
-in name order, so any flipped byte, in the header or the data, is found. `decode` also checks that the
-stored key is the requested one, that the quant mode is the tier's, and that dtypes, shapes and
-offsets agree with the header, before any tensor is built. Nothing is ever unpickled.
+The checksum is sha256 over the canonical JSON header (without the checksums) and every tensor's bytes
+in name order, so any flipped byte, in the header or the data, is found. A sha256 stops accidents, not a
+writer: anyone who can write the shared folder or Redis can compute one. With a deployment secret
+(`secret=` or $EPIC_RAG_KV_SECRET) entries also carry an HMAC-SHA256 over the same bytes, and a reader
+holding the secret accepts only entries whose HMAC it can verify (an unsigned or forged entry is corrupt);
+a reader without the secret still checks the sha256, so `store verify` run without it deletes nothing sound.
+`decode` also checks that the stored key is the requested one, that the quant mode is the tier's, and that
+dtypes, shapes and offsets agree with the header, before any tensor is built. Nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import os
 import struct
 from collections.abc import Callable
 
@@ -28,6 +35,8 @@ from .base import ChunkKV, ChunkStore, check_quant
 
 FORMAT = "epic-chunk-kv/1"
 _MAX_HEADER = 1 << 20
+SECRET_ENV = "EPIC_RAG_KV_SECRET"
+_CHECKSUMS = ("sha256", "hmac")  # header fields the digests leave out
 
 # safetensors dtype names <-> torch dtypes (the KV dtypes a model may use, plus what int8 packing needs).
 _ST_DTYPES = {
@@ -56,6 +65,16 @@ def key_in_namespace(stem: str, suffix: str) -> str | None:
     if suffix:
         return stem[: -len(suffix)] if stem.endswith(suffix) else None
     return None if "@" in stem else stem
+
+
+def deployment_secret(secret: str | bytes | None = None) -> bytes | None:
+    """The HMAC key of shared tiers: `secret` when given, else $EPIC_RAG_KV_SECRET; None (sha256 only) when
+    neither is set or it is empty."""
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV)
+    if not secret:
+        return None
+    return secret.encode() if isinstance(secret, str) else bytes(secret)
 
 
 # --------------------------------------------------------------------------- int8 packing
@@ -166,20 +185,24 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 
-def _digest(meta: dict, chunks) -> str:
-    h = hashlib.sha256(
-        json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True, separators=(",", ":")).encode()
-    )
+def _digest(meta: dict, chunks, secret: bytes | None = None) -> str:
+    """sha256 (or HMAC-SHA256 under `secret`) of the canonical header and the tensors' bytes."""
+    head = json.dumps({k: v for k, v in meta.items() if k not in _CHECKSUMS}, sort_keys=True, separators=(",", ":"))
+    h = hmac.new(secret, digestmod=hashlib.sha256) if secret else hashlib.sha256()
+    h.update(head.encode())
     for name, data in chunks:
         h.update(name.encode() + b"\0")
         h.update(data)
     return h.hexdigest()
 
 
-def encode(kv: ChunkKV, quant: str = "none") -> bytes:
-    """An entry's bytes: safetensors whose metadata carries the JSON header and checksum."""
+def encode(kv: ChunkKV, quant: str = "none", secret: bytes | None = None) -> bytes:
+    """An entry's bytes: safetensors whose metadata carries the JSON header and checksum (and, under a
+    deployment secret, its HMAC)."""
     meta, tensors = pack(kv, quant)
     meta["sha256"] = _digest(meta, ((n, _tensor_bytes(tensors[n])) for n in sorted(tensors)))
+    if secret:
+        meta["hmac"] = _digest(meta, ((n, _tensor_bytes(tensors[n])) for n in sorted(tensors)), secret)
     return st_save(tensors, metadata={"epic": json.dumps(meta, sort_keys=True)})
 
 
@@ -201,8 +224,9 @@ def read_header(buf) -> tuple[dict, dict]:
     return table, meta
 
 
-def decode(buf: bytes | bytearray | memoryview, key: str, quant: str = "none") -> ChunkKV:
-    """The ChunkKV in `buf`, after checking header, offsets, key, quant, dtypes, shapes and checksum.
+def decode(buf: bytes | bytearray | memoryview, key: str, quant: str = "none", secret: bytes | None = None) -> ChunkKV:
+    """The ChunkKV in `buf`, after checking header, offsets, key, quant, dtypes, shapes and checksum (the
+    HMAC under `secret`: an entry without a valid one is refused).
 
     Raises CorruptEntry for anything else; never builds a tensor from unchecked bytes. A writable
     buffer (bytearray) is used without a copy."""
@@ -237,10 +261,13 @@ def decode(buf: bytes | bytearray | memoryview, key: str, quant: str = "none") -
         end_max = max(end_max, end)
     if end_max != len(data):
         raise CorruptEntry(f"entry has {len(data) - end_max} stray bytes after its tensors")
-    want = meta.get("sha256")
-    got = _digest(meta, ((name, data[spans[name][0] : spans[name][1]]) for name in sorted(spans)))
-    if want != got:
-        raise CorruptEntry(f"checksum mismatch (stored {str(want)[:12]}..., computed {got[:12]}...)")
+    field = "hmac" if secret else "sha256"
+    want = meta.get(field)
+    if secret and not isinstance(want, str):
+        raise CorruptEntry("entry is not signed with the deployment secret (no hmac)")
+    got = _digest(meta, ((name, data[spans[name][0] : spans[name][1]]) for name in sorted(spans)), secret)
+    if not isinstance(want, str) or not hmac.compare_digest(want, got):
+        raise CorruptEntry(f"{field} mismatch (stored {str(want)[:12]}..., computed {got[:12]}...)")
     if isinstance(buf, bytes):
         buf = bytearray(buf)  # torch.frombuffer wants writable memory; tensors then own this copy
         data = memoryview(buf)[8 + hlen :]
@@ -262,7 +289,7 @@ def encode_for_tier(tier: ChunkStore, kv: ChunkKV, report: Callable[[str], None]
     if kv.quant != "none" and tier.quant == "none":
         return None
     try:
-        return encode(kv, tier.quant)
+        return encode(kv, tier.quant, tier.secret)
     except ValueError as e:
         with tier._lock:
             tier.stats.errors += 1

@@ -33,10 +33,16 @@ class DiskStore(ChunkStore):
     name = "disk"
 
     def __init__(
-        self, root: str | os.PathLike, max_bytes: int | None = None, quant: str = "none", fsync: bool = False
+        self,
+        root: str | os.PathLike,
+        max_bytes: int | None = None,
+        quant: str = "none",
+        fsync: bool = False,
+        secret: str | bytes | None = None,
     ) -> None:
         super().__init__()
         check_quant(quant)
+        self.secret = codec.deployment_secret(secret)
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError("disk store budget must be positive")
         self.root = Path(root).expanduser().absolute()
@@ -48,7 +54,7 @@ class DiskStore(ChunkStore):
         self._last_scan = 0.0
         self._evict_lock = threading.Lock()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)  # KV reveals documents: owner-only
         except OSError as e:
             self._log_error(
                 "mkdir", f"disk tier {self.root}: cannot create the folder ({e}); it will miss until the folder exists"
@@ -101,7 +107,7 @@ class DiskStore(ChunkStore):
         try:
             if got != len(buf):
                 raise codec.CorruptEntry(f"file shrank while reading ({got} of {len(buf)} bytes)")
-            kv = codec.decode(buf, key, self.quant)
+            kv = codec.decode(buf, key, self.quant, self.secret)
         except codec.CorruptEntry as e:
             self._drop(path, st, e)
             return None
@@ -138,7 +144,7 @@ class DiskStore(ChunkStore):
         path = self._path(kv.key)
         tmp = self.root / f"{_TMP}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)

@@ -48,8 +48,10 @@ class RedisStore(ChunkStore):
         retry_s: float = 5.0,
         quant: str = "none",
         db: int | None = None,
+        secret: str | bytes | None = None,
     ) -> None:
         super().__init__()
+        self.secret = codec.deployment_secret(secret)
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -150,7 +152,7 @@ class RedisStore(ChunkStore):
                 self.stats.misses += 1
             return None
         try:
-            kv = codec.decode(data, key, self.quant)
+            kv = codec.decode(data, key, self.quant, self.secret)
         except codec.CorruptEntry as e:
             log.warning(
                 "redis tier %s: corrupt entry %s dropped (%s); it will be recompiled", safe_url(self.url), rkey, e

@@ -16,8 +16,8 @@ _SPLIT = re.compile(r"\+(?=(?:memory(?:$|[?:+])|disk:|redis://|rediss://|unix://
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?", re.IGNORECASE)
 _ARGS = {
     "memory": {"max_bytes", "quant"},
-    "disk": {"max_bytes", "quant", "fsync"},
-    "redis": {"ttl", "prefix", "timeout", "retry_s", "quant", "db"},
+    "disk": {"max_bytes", "quant", "fsync", "secret"},
+    "redis": {"ttl", "prefix", "timeout", "retry_s", "quant", "db", "secret"},
 }
 
 
@@ -146,10 +146,10 @@ def build_tier(t: TierSpec) -> ChunkStore:
         if fsync not in ("0", "1", "true", "false"):
             raise ValueError(f"disk fsync must be 0 or 1, got {fsync!r}")
         mb = parse_size(a["max_bytes"], "disk max_bytes") if "max_bytes" in a else None
-        return DiskStore(t.target, max_bytes=mb, quant=quant, fsync=fsync in ("1", "true"))
+        return DiskStore(t.target, max_bytes=mb, quant=quant, fsync=fsync in ("1", "true"), secret=a.get("secret"))
     from .redis_tier import RedisStore
 
-    kw: dict = {"quant": quant}
+    kw: dict = {"quant": quant, "secret": a.get("secret")}
     if "ttl" in a:
         kw["ttl"] = _number(a["ttl"], "redis ttl", 0.001)
     if "timeout" in a:
