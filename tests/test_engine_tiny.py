@@ -57,10 +57,10 @@ def test_chunk_linked_behind_the_default_prompt_equals_full_with_no_recompute(ti
 
 
 def test_compile_lead_is_the_default_prompt_up_to_its_first_document(tiny_engine):
-    from epic_rag.prompt import compile_lead, encode_text, render_request
+    from epic_rag.prompt import compile_lead, encode_glue, render_request
 
     tok = tiny_engine.tokenizer
-    lead = encode_text(tok, render_request(tok, _req(CHUNKS[:1]))[0])
+    lead = encode_glue(tok, render_request(tok, _req(CHUNKS[:1]))[0])
     assert tiny_engine.chunks.lead == compile_lead(tok) == lead
     assert lead[0] == tok.bos_token_id and len(lead) > 8
     assert compile_lead(tok, "sink") == [tok.bos_token_id]  # EPIC's reference: the sink alone
@@ -288,3 +288,19 @@ def test_sampling_keywords_beside_a_prepared_request_are_an_error_not_ignored(ti
     with pytest.raises(ValueError, match="max_tokens"):
         tiny_engine.generate(prep, max_tokens=50)
     assert len(tiny_engine.generate(prep).token_ids) <= 3
+
+
+def test_leading_glue_is_never_written_to_the_shared_store(tiny_engine):
+    from epic_rag.store import MemoryStore
+
+    old = tiny_engine.store
+    tiny_engine.store = MemoryStore()
+    try:
+        req = RagRequest(question="When?", chunks=CHUNKS[:1], system="A client's own long system prompt, " * 4)
+        first = tiny_engine.generate(req, max_tokens=4, policy="legolink-4")
+        again = tiny_engine.generate(req, max_tokens=4, policy="legolink-4")
+        assert first.token_ids == again.token_ids
+        keys = tiny_engine.store.keys()
+        assert keys and all(k.startswith(f"{tiny_engine.chunks.variant}-") for k in keys), keys
+    finally:
+        tiny_engine.store = old

@@ -23,7 +23,7 @@ import torch
 from ..keys import chunk_key
 from ..policy import SINK_LEN, Policy
 from ..prompt import check_chunk_text, encode_text
-from ..store import ChunkKV, ChunkStore
+from ..store import ChunkKV, ChunkStore, MemoryStore
 from ..types import Chunk, ChunkRef, PlacedChunk
 from .board import BOARD, Capture, LinkSpan
 from .runtime import Runtime
@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 MIN_EXACT_PREFIX = 8  # shorter leading glue is simply recomputed
 TOKEN_INDEX_SIZE = 100_000  # chunk key -> token ids remembered, so `full` never loads KV to read tokens
+# The glue before the first chunk (system prompt, instructions) is client-controlled: its KV stays in this
+# bounded process-private LRU and never reaches the shared tiers, where every new system prompt would add
+# an entry no budget was set for.
+LEAD_CACHE_BYTES = 256 << 20
 
 
 class ChunkResolver:
@@ -58,6 +62,7 @@ class ChunkResolver:
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()
+        self._glue = MemoryStore(max_bytes=LEAD_CACHE_BYTES)
 
     def key(self, token_ids: Sequence[int], variant: str) -> str:
         return chunk_key(self.fingerprint, token_ids, variant)
@@ -121,21 +126,26 @@ class ChunkResolver:
         # before it: its compiled KV is exact, so it is linked like a chunk and never recomputed.
         lead = chunks[0].start - chunks[0].sink
         if lead >= MIN_EXACT_PREFIX:
-            (prefix_kv,), _ = self.resolve([(token_ids[:lead], "plain")])
+            (prefix_kv,), _ = self.resolve([(token_ids[:lead], "plain")], store=self._glue)
             spans.insert(0, LinkSpan(0, prefix_kv, exact=True))
         return spans, misses
 
     def resolve(
-        self, wanted: list[tuple[list[int], str]], known: dict[str, ChunkKV] | None = None
+        self,
+        wanted: list[tuple[list[int], str]],
+        known: dict[str, ChunkKV] | None = None,
+        store: ChunkStore | None = None,
     ) -> tuple[list[ChunkKV], int]:
-        """Every chunk's KV (from `known`, already loaded, or the store), compiling the missing ones in one
-        vLLM batch (single flight). Returns the KVs in order and how many were compiled here."""
+        """Every chunk's KV (from `known`, already loaded, or `store`, default the engine's), compiling the
+        missing ones in one vLLM batch (single flight) and storing them there. Returns the KVs in order and
+        how many were compiled here."""
+        store = self.store if store is None else store
         results: list[ChunkKV | None] = [None] * len(wanted)
         waits: list[tuple[int, Future]] = []
         mine: dict[str, tuple[Future, list[int], str]] = {}
         for i, (tokens, variant) in enumerate(wanted):
             key = self.key(tokens, variant)
-            kv = (known or {}).get(key) or self.store.get(key)
+            kv = (known or {}).get(key) or store.get(key)
             if kv is not None:
                 results[i] = kv
                 continue
@@ -147,12 +157,12 @@ class ChunkResolver:
                     mine[key] = (fut, tokens, variant)
             waits.append((i, fut))
         if mine:
-            self._compile_batch(mine)
+            self._compile_batch(mine, store)
         for i, fut in waits:
             results[i] = fut.result()
         return results, len(mine)  # type: ignore[return-value]
 
-    def _compile_batch(self, todo: dict[str, tuple[Future, list[int], str]]) -> None:
+    def _compile_batch(self, todo: dict[str, tuple[Future, list[int], str]], store: ChunkStore) -> None:
         info = self.kv_info
         L, H, D = info["num_layers"], info["num_kv_heads"], info["head_size"]
         kv_dtype = getattr(torch, info["kv_dtype"].removeprefix("torch."))
@@ -185,7 +195,7 @@ class ChunkResolver:
                 # keys at positions lead-1 (the sink, moved there) onwards
                 kv = ChunkKV(key=key, token_ids=record, k=cap.k, v=cap.v, base_pos=cap.lead - 1)
                 try:
-                    self.store.put(kv)
+                    store.put(kv)
                 except Exception:
                     log.exception("storing chunk %s failed; serving it from this compile", key)
                 fut.set_result(kv)
