@@ -41,11 +41,11 @@ def test_every_parser_failure_is_a_value_error(name, data, needle):
 
 
 def test_html_that_would_take_quadratic_time_is_stopped_by_the_cpu_limit():
-    limits = ParseLimits(cpu_s=1, wall_s=20)
-    t0 = time.perf_counter()
-    with pytest.raises(ValueError, match="HTML"):
+    # The CPU limit, not the (generous) wall-clock one, must be what stops it: no timing asserted, so a
+    # loaded machine cannot fail this test.
+    limits = ParseLimits(cpu_s=1, wall_s=600)
+    with pytest.raises(ValueError, match="exceeded its CPU or memory limit"):
         read_document("slow.html", b"<a" * 2_000_000, limits)  # minutes of stdlib HTMLParser
-    assert time.perf_counter() - t0 < 15
 
 
 def test_extracted_text_over_the_character_cap_is_refused():
