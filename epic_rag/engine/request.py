@@ -36,6 +36,7 @@ class RequestRun:
     finish: str | None = None
     cached: int | None = None
     done: bool = False
+    logprobs: list | None = None
 
     def consume(self, d: Delta | BaseException) -> Iterator[Delta | Generation]:
         """Take one delta from the runtime: yields it when it carries text, then the Generation when the
@@ -49,6 +50,11 @@ class RequestRun:
                 raise RuntimeError(f"linking failed, answer discarded: {self.job.error}")
         self.text.append(d.text)
         self.token_ids += d.token_ids
+        if d.logprobs is not None:
+            k = self.prep.options.get("logprobs", 0)
+            for lp in d.logprobs:  # vLLM adds the chosen token to the top k when it ranks lower: trim it
+                lp["top_logprobs"] = lp["top_logprobs"][:k]
+            self.logprobs = (self.logprobs or []) + d.logprobs
         if d.text:
             yield d
         if d.finished:
@@ -84,4 +90,5 @@ class RequestRun:
             finish_reason=self.finish,
             chunk_keys=self.chunk_keys,
             prefix_cached_tokens=0 if job is not None else (self.cached or 0),
+            logprobs=self.logprobs,
         )
