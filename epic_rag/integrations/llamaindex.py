@@ -11,7 +11,11 @@
 
 Every response carries the figures in `additional_kwargs` (CompletionResponse / ChatResponse; for streams,
 on the last item): ttft_s, total_s, prompt_tokens, linked_tokens, recomputed_tokens, chunk_hits,
-chunk_misses, policy, finish_reason, completion_tokens, chunk_keys.
+chunk_misses, policy, finish_reason, completion_tokens, chunk_keys; and OpenAI-shaped token usage in
+`raw["usage"]` (prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details.cached_tokens = linked
+tokens), where LlamaIndex's `TokenCountingHandler` reads it. Sampling options (top_p, top_k, min_p, seed,
+penalties, logprobs/top_logprobs) are fields, `additional_kwargs` entries or per-call keywords; an unknown
+one is an error naming it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
+    LogProb,
     MessageRole,
     TextBlock,
 )
@@ -45,7 +50,16 @@ from llama_index.core.settings import Settings
 
 from ..config import EngineConfig
 from ..types import Delta, Generation, RagRequest
-from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, sampling_of, shared_engine
+from ._shared import (
+    adopt_engine,
+    generation_stats,
+    model_label,
+    option_defaults,
+    peek_shared_engine,
+    sampling_of,
+    shared_engine,
+    usage_of,
+)
 
 __all__ = ["EpicLLM", "EpicChunkCompiler", "EpicSynthesizer", "node_llm_text"]
 
@@ -87,6 +101,20 @@ class EpicLLM(CustomLLM):
     context_window: int | None = Field(
         default=None, gt=0, description="Cap on the reported context window (default: engine's)."
     )
+    top_p: float | None = Field(default=None, description="Nucleus sampling (default: vLLM's, 1.0).")
+    top_k: int | None = Field(default=None, description="Top-k sampling (0 or -1: off).")
+    min_p: float | None = Field(default=None, description="Min-p sampling.")
+    seed: int | None = Field(default=None, description="Per-request sampling seed.")
+    presence_penalty: float | None = Field(default=None)
+    frequency_penalty: float | None = Field(default=None)
+    repetition_penalty: float | None = Field(default=None)
+    logprobs: bool | int | None = Field(
+        default=None, description="True (with top_logprobs) as OpenAI, or vLLM's number of alternatives."
+    )
+    top_logprobs: int | None = Field(default=None, description="Alternatives per token with logprobs=True.")
+    additional_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Further sampling options by name (an unknown one is an error)."
+    )
 
     _engine: Any = PrivateAttr(default=None)
     _config: EngineConfig | None = PrivateAttr(default=None)
@@ -95,6 +123,7 @@ class EpicLLM(CustomLLM):
         if engine is not None and not kwargs.get("model"):
             kwargs["model"] = model_label(engine)
         super().__init__(**kwargs)
+        self._sampling({})  # a bad or unknown sampling option fails here, not on the first call
         self._engine = adopt_engine(engine) if engine is not None else None
         self._config = config
 
@@ -130,6 +159,9 @@ class EpicLLM(CustomLLM):
         )
 
     # ------------------------------------------------------------------ requests
+    def _sampling(self, kwargs: dict[str, Any]):
+        return sampling_of(self, kwargs, defaults=option_defaults(self, self.additional_kwargs))
+
     def _completion_request(self, prompt: str, formatted: bool):
         if formatted:
             return prompt
@@ -148,56 +180,52 @@ class EpicLLM(CustomLLM):
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        g = self.engine.generate(self._completion_request(prompt, formatted), **sampling_of(self, kwargs))
-        return CompletionResponse(text=g.text, additional_kwargs=generation_stats(g))
+        g = self.engine.generate(self._completion_request(prompt, formatted), **self._sampling(kwargs))
+        return _as_completion(g.text, None, g)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         return _stream(
-            self.engine.stream_events(self._completion_request(prompt, formatted), **sampling_of(self, kwargs)),
+            self.engine.stream_events(self._completion_request(prompt, formatted), **self._sampling(kwargs)),
             _as_completion,
         )
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         req = self._completion_request(prompt, formatted)
-        g = await self.engine.agenerate(req, **sampling_of(self, kwargs))
-        return CompletionResponse(text=g.text, additional_kwargs=generation_stats(g))
+        g = await self.engine.agenerate(req, **self._sampling(kwargs))
+        return _as_completion(g.text, None, g)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         req = self._completion_request(prompt, formatted)
-        return _astream(self.engine.astream_events(req, **sampling_of(self, kwargs)), _as_completion)
+        return _astream(self.engine.astream_events(req, **self._sampling(kwargs)), _as_completion)
 
     # ------------------------------------------------------------------ chat
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        g = self.engine.generate(self._chat_request(messages), **sampling_of(self, kwargs))
-        return ChatResponse(
-            message=ChatMessage(role=MessageRole.ASSISTANT, content=g.text), additional_kwargs=generation_stats(g)
-        )
+        g = self.engine.generate(self._chat_request(messages), **self._sampling(kwargs))
+        return _as_chat(g.text, None, g)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return _stream(self.engine.stream_events(self._chat_request(messages), **sampling_of(self, kwargs)), _as_chat)
+        return _stream(self.engine.stream_events(self._chat_request(messages), **self._sampling(kwargs)), _as_chat)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         req = self._chat_request(messages)
-        g = await self.engine.agenerate(req, **sampling_of(self, kwargs))
-        return ChatResponse(
-            message=ChatMessage(role=MessageRole.ASSISTANT, content=g.text), additional_kwargs=generation_stats(g)
-        )
+        g = await self.engine.agenerate(req, **self._sampling(kwargs))
+        return _as_chat(g.text, None, g)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         req = self._chat_request(messages)
-        return _astream(self.engine.astream_events(req, **sampling_of(self, kwargs)), _as_chat)
+        return _astream(self.engine.astream_events(req, **self._sampling(kwargs)), _as_chat)
 
 
 # Engine stream events -> LlamaIndex responses carrying the text so far (sync and async share the steps).
 def _pieces():
-    """A function turning one event into (text so far, delta, stats or None), or None to skip it."""
+    """A function turning one event into (text so far, delta, the Generation or None), or None to skip it."""
     text = ""
 
     def step(ev):
@@ -206,20 +234,36 @@ def _pieces():
             text += ev.text
             return text, ev.text, None
         if isinstance(ev, Generation):
-            return ev.text, "", generation_stats(ev)
+            return ev.text, "", ev
         return None
 
     return step
 
 
-def _as_completion(text: str, delta: str, stats: dict | None) -> CompletionResponse:
-    return CompletionResponse(text=text, delta=delta, additional_kwargs=stats or {})
+def _logprobs(g: Generation | None) -> list[list[LogProb]] | None:
+    """Per generated token, its top alternatives (the chosen token alone when none were asked for), as
+    LlamaIndex's OpenAI LLM gives them."""
+    if g is None or g.logprobs is None:
+        return None
+
+    def lp(d: dict) -> LogProb:
+        return LogProb(token=d["token"], logprob=d["logprob"], bytes=list(d["token"].encode("utf-8")))
+
+    return [[lp(a) for a in t["top_logprobs"]] or [lp(t)] for t in g.logprobs]
 
 
-def _as_chat(text: str, delta: str, stats: dict | None) -> ChatResponse:
-    return ChatResponse(
-        message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, additional_kwargs=stats or {}
-    )
+def _extras(g: Generation | None) -> dict[str, Any]:
+    if g is None:
+        return {"additional_kwargs": {}}
+    return {"additional_kwargs": generation_stats(g), "raw": {"usage": usage_of(g)}, "logprobs": _logprobs(g)}
+
+
+def _as_completion(text: str, delta: str | None, g: Generation | None) -> CompletionResponse:
+    return CompletionResponse(text=text, delta=delta, **_extras(g))
+
+
+def _as_chat(text: str, delta: str | None, g: Generation | None) -> ChatResponse:
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, **_extras(g))
 
 
 def _stream(events, make):
@@ -351,7 +395,7 @@ class EpicSynthesizer(BaseSynthesizer):
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
         stats: _Stats | None = response_kwargs.pop("_epic_stats", None)
-        kw = sampling_of(self._epic, {**self._overrides, **response_kwargs})
+        kw = self._epic._sampling({**self._overrides, **response_kwargs})
         req = self._request(query_str, text_chunks)
         engine = self._epic.engine
         if not self._streaming:
@@ -372,7 +416,7 @@ class EpicSynthesizer(BaseSynthesizer):
 
     async def aget_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
         stats: _Stats | None = response_kwargs.pop("_epic_stats", None)
-        kw = sampling_of(self._epic, {**self._overrides, **response_kwargs})
+        kw = self._epic._sampling({**self._overrides, **response_kwargs})
         req = self._request(query_str, text_chunks)
         engine = self._epic.engine
         if not self._streaming:
