@@ -6,6 +6,24 @@
 All wrappers share one engine per process (see `set_shared_engine` / `shared_engine`).
 """
 
-from ._shared import STAT_KEYS, adopt_engine, generation_stats, set_shared_engine, shared_engine
+from ._shared import (
+    STAT_KEYS,
+    adopt_engine,
+    generation_stats,
+    openai_logprobs,
+    openai_token_logprob,
+    set_shared_engine,
+    shared_engine,
+    usage_of,
+)
 
-__all__ = ["STAT_KEYS", "adopt_engine", "generation_stats", "set_shared_engine", "shared_engine"]
+__all__ = [
+    "STAT_KEYS",
+    "adopt_engine",
+    "generation_stats",
+    "openai_logprobs",
+    "openai_token_logprob",
+    "set_shared_engine",
+    "shared_engine",
+    "usage_of",
+]

@@ -164,6 +164,20 @@ def usage_of(g: Generation) -> dict[str, Any]:
     }
 
 
+def openai_logprobs(g: Generation) -> dict[str, Any] | None:
+    """A Generation's logprobs in OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    if g.logprobs is None:
+        return None
+    return {"content": [openai_token_logprob(t) for t in g.logprobs]}
+
+
+def openai_token_logprob(t: dict[str, Any], top: bool = True) -> dict[str, Any]:
+    out = {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode("utf-8"))}
+    if top:
+        out["top_logprobs"] = [openai_token_logprob(a, top=False) for a in t["top_logprobs"]]
+    return out
+
+
 def generation_stats(g: Generation) -> dict[str, Any]:
     """The linking figures of one Generation, as a plain dict."""
     out = {k: getattr(g, k) for k in STAT_KEYS}

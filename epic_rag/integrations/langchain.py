@@ -49,6 +49,7 @@ from ._shared import (
     adopt_engine,
     generation_stats,
     model_label,
+    openai_logprobs,
     option_defaults,
     peek_shared_engine,
     sampling_of,
@@ -92,13 +93,6 @@ def _role(m: BaseMessage) -> str:
 
 # Per-call keywords ChatEpic takes besides the sampling options (`stream` is LangChain's own switch).
 _CALL_KEYWORDS = ("chunks", "model", "stream")
-
-
-def _openai_logprob(t: dict, top: bool = False) -> dict[str, Any]:
-    out = {"token": t["token"], "bytes": list(t["token"].encode("utf-8")), "logprob": t["logprob"]}
-    if top:
-        out["top_logprobs"] = [_openai_logprob(a) for a in t["top_logprobs"]]
-    return out
 
 
 def _chunk(c: Any) -> str | ChunkRef:
@@ -251,7 +245,7 @@ class ChatEpic(BaseChatModel):
             **generation_stats(g),
         }
         if g.logprobs is not None:
-            out["logprobs"] = {"content": [_openai_logprob(t, top=True) for t in g.logprobs]}
+            out["logprobs"] = openai_logprobs(g)
         return out
 
     @staticmethod
