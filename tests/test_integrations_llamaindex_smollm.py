@@ -136,6 +136,24 @@ def test_second_question_with_same_chunks_in_another_order_compiles_nothing(smol
     assert 0 < stats["recomputed_tokens"] < stats["prompt_tokens"]
 
 
+def test_token_counting_handler_counts_the_engines_prompt_and_linked_tokens(li_index, events):
+    from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+
+    counter = TokenCountingHandler(tokenizer=lambda s: [0] * 100000)  # would be wildly off if used
+    saved = Settings._callback_manager, Settings.llm.callback_manager
+    Settings.callback_manager = CallbackManager([counter])  # as LlamaIndex documents the handler
+    try:
+        li_index.as_query_engine(similarity_top_k=2).query(Q1)
+    finally:
+        Settings._callback_manager, Settings.llm.callback_manager = saved
+    resp = _chat_end(events).response
+    usage = resp.raw["usage"]
+    assert usage["prompt_tokens"] == resp.additional_kwargs["prompt_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == resp.additional_kwargs["linked_tokens"] > 0
+    assert counter.prompt_llm_token_count == usage["prompt_tokens"]
+    assert counter.completion_llm_token_count == usage["completion_tokens"] > 0
+
+
 def test_stock_streaming_query_engine_links_chunks(li_index, events):
     qe = li_index.as_query_engine(similarity_top_k=2, streaming=True)
     response = qe.query(Q2)
