@@ -1,7 +1,7 @@
 """Framework integrations (import the submodule you need; each needs its extra installed):
 
-- `epic_rag.integrations.llamaindex`: EpicLLM, EpicChunkCompiler, EpicSynthesizer  (extra: llamaindex)
-- `epic_rag.integrations.langchain`: ChatEpic, create_epic_rag_chain               (extra: langchain)
+- `epic_rag.integrations.llamaindex`: EpicLLM, EpicChunkCompiler, EpicNodeCompiler, EpicSynthesizer (extra: llamaindex)
+- `epic_rag.integrations.langchain`: ChatEpic, EpicDocumentCompiler, create_epic_rag_chain (extra: langchain)
 
 All wrappers share one engine per process (see `set_shared_engine` / `shared_engine`).
 """

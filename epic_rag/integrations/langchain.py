@@ -4,6 +4,9 @@
   (e.g. documents a `create_stuff_documents_chain` prompt inserted) are linked from cache. Passing
   `chunks=[...]` (texts, ChunkRefs or Documents) per call, e.g. `model.invoke(question, chunks=docs)`,
   hands them to the engine explicitly as a RagRequest instead.
+- `EpicDocumentCompiler()` is a pass-through Runnable compiling Documents' page_content at query time:
+  `retriever | EpicDocumentCompiler()` links documents from a store loaded from disk or one that keeps its
+  own text. Texts already compiled in this process cost nothing; texts in the chunk store a store lookup.
 - `create_epic_rag_chain(retriever, ...)` is a Runnable: question -> retriever -> engine, with the retrieved
   Documents passed as chunks (no prompt matching); invoke/stream/batch and their async forms.
 
@@ -40,7 +43,7 @@ from langchain_core.messages import (
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
-from langchain_core.runnables.config import patch_config
+from langchain_core.runnables.config import patch_config, run_in_executor
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from ..config import EngineConfig
@@ -57,7 +60,7 @@ from ._shared import (
     usage_of,
 )
 
-__all__ = ["ChatEpic", "EpicRagChain", "compile_documents", "create_epic_rag_chain"]
+__all__ = ["ChatEpic", "EpicDocumentCompiler", "EpicRagChain", "compile_documents", "create_epic_rag_chain"]
 
 
 def _text(content: Any, role: str) -> str:
@@ -459,6 +462,56 @@ def compile_documents(
     chains that pass them as chunks find them compiled. Returns the refs in input order."""
     eng = adopt_engine(engine) if engine is not None else shared_engine()
     return eng.compile([d.page_content for d in documents], policy=policy, batch_size=batch_size)
+
+
+class EpicDocumentCompiler(RunnableSerializable[Sequence[Document], list[Document]]):
+    """Documents in, the same Documents out, their page_content compiled on the way (a retrieval-time step).
+
+    `retriever | EpicDocumentCompiler() | ...`: a prompt that inserts page_content verbatim (e.g.
+    `create_stuff_documents_chain`) then links them. Texts already compiled in this process are skipped;
+    the chunk store skips those it holds.
+    """
+
+    policy: str | None = None
+    batch_size: int = Field(default=32, gt=0)
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    _engine: Any = PrivateAttr(default=None)
+
+    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if engine is not None:
+            self._engine = adopt_engine(engine)
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            self._engine = shared_engine()
+        return self._engine
+
+    def _compile(self, docs: Any) -> list[Document]:
+        docs = list(docs)
+        if not all(isinstance(d, Document) for d in docs):
+            raise ValueError("EpicDocumentCompiler takes a list of Documents")
+        eng = self.engine
+        fresh = [t for t in dict.fromkeys(d.page_content for d in docs) if t.strip() and t not in eng.text_index]
+        if fresh:
+            eng.compile(fresh, policy=self.policy, batch_size=self.batch_size)
+        return docs
+
+    def invoke(self, input: Sequence[Document], config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
+        return self._call_with_config(self._compile, input, config)
+
+    async def ainvoke(
+        self, input: Sequence[Document], config: RunnableConfig | None = None, **kwargs: Any
+    ) -> list[Document]:
+        _ = self.engine  # created (if need be) on this thread, not in the worker
+
+        async def run(docs: Any) -> list[Document]:
+            return await run_in_executor(None, self._compile, docs)
+
+        return await self._acall_with_config(run, input, config)
 
 
 def create_epic_rag_chain(

@@ -6,6 +6,10 @@
 - `EpicChunkCompiler` (a TransformComponent) compiles each node's LLM-visible text
   (`node.get_content(MetadataMode.LLM)`, metadata header included, stripped as response synthesis inserts
   it), so a corpus is compiled at ingest. Put it after every step that changes text or metadata.
+- `EpicNodeCompiler` (a BaseNodePostprocessor) compiles the retrieved nodes' LLM-visible text at query time,
+  so an index persisted elsewhere, a vector store that keeps its own text, or a pipeline whose docstore
+  skipped unchanged documents still links: `index.as_query_engine(node_postprocessors=[EpicNodeCompiler()])`.
+  Texts already compiled in this process cost nothing; texts already in the chunk store cost a store lookup.
 - `EpicSynthesizer` (a BaseSynthesizer) hands the retrieved node texts to the engine as chunks of a
   RagRequest: no string matching; the linking figures land in `Response.metadata`.
 
@@ -44,8 +48,9 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
-from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, TransformComponent
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
 from llama_index.core.settings import Settings
 
 from ..config import EngineConfig
@@ -61,7 +66,7 @@ from ._shared import (
     usage_of,
 )
 
-__all__ = ["EpicLLM", "EpicChunkCompiler", "EpicSynthesizer", "node_llm_text"]
+__all__ = ["EpicLLM", "EpicChunkCompiler", "EpicNodeCompiler", "EpicSynthesizer", "node_llm_text"]
 
 _ROLE = {
     MessageRole.DEVELOPER: "system",
@@ -319,6 +324,57 @@ class EpicChunkCompiler(TransformComponent):
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         _ = self.engine  # created (if need be) on this thread, not in the worker
         return await asyncio.to_thread(self.__call__, nodes, **kwargs)
+
+
+def _compile_new(engine: Any, texts: Sequence[str], policy: str | None, batch_size: int) -> int:
+    """Compile the texts not yet known to this process's engine (the store skips those it holds); returns how
+    many were handed to compile."""
+    fresh = [t for t in dict.fromkeys(texts) if t and t.strip() and t not in engine.text_index]
+    if fresh:
+        engine.compile(fresh, policy=policy, batch_size=batch_size)
+    return len(fresh)
+
+
+class EpicNodeCompiler(BaseNodePostprocessor):
+    """Query-time step: compiles the retrieved nodes' LLM-visible text, so the LLM call links them.
+
+    Nodes pass through unchanged (order and scores kept). Use it last among the node postprocessors (after
+    rerankers and filters, which may change what reaches the prompt), e.g.
+    `index.as_query_engine(node_postprocessors=[EpicNodeCompiler()])`, or in a context chat engine.
+    For a corpus compiled at ingest (EpicChunkCompiler) in this process it costs a dictionary lookup per node;
+    texts whose KV the chunk store already holds (a persisted index after a restart) cost a store lookup.
+    """
+
+    policy: str | None = Field(default=None, description="Compile for this link policy (default: engine's).")
+    batch_size: int = Field(default=32, gt=0, description="Chunks per compile batch.")
+
+    _engine: Any = PrivateAttr(default=None)
+
+    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._engine = adopt_engine(engine) if engine is not None else None
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "EpicNodeCompiler"
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            self._engine = shared_engine()
+        return self._engine
+
+    def _postprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
+        _compile_new(self.engine, [node_llm_text(n.node) for n in nodes], self.policy, self.batch_size)
+        return nodes
+
+    async def _apostprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
+        _ = self.engine  # created (if need be) on this thread, not in the worker
+        return await asyncio.to_thread(self._postprocess_nodes, nodes, query_bundle)
 
 
 class _Stats:
