@@ -11,6 +11,8 @@ from typing import Any
 
 # vLLM's own default cap on logprobs per token (ModelConfig.max_logprobs).
 MAX_LOGPROBS = 20
+# Seeds are torch generator seeds (a signed 64-bit integer).
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 # The core keywords every generate/stream method takes (see types.Sampling).
 CORE_OPTIONS = ("max_tokens", "temperature", "policy", "stop")
@@ -59,7 +61,8 @@ def check_sampling_options(options: Mapping[str, Any]) -> dict[str, Any]:
             if not 0.0 <= _number(name, v) <= 1.0:
                 raise ValueError(f"min_p must be in [0, 1], got {v!r}")
         elif name == "seed":
-            _integer(name, v)
+            if not SEED_RANGE[0] <= _integer(name, v) <= SEED_RANGE[1]:
+                raise ValueError(f"seed must be a 64-bit signed integer, got {v!r}")
         elif name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= _number(name, v) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")

@@ -25,7 +25,18 @@ def test_unknown_sampling_option_is_an_error_naming_it(tiny_engine):
 
 @pytest.mark.parametrize(
     "option, value",
-    [("top_p", 0.0), ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 3), ("repetition_penalty", 0), ("seed", 1.5)],
+    [
+        ("top_p", 0.0),
+        ("temperature", 3.0),  # vLLM's limit is 2: refused here, not by a vLLM error inside generation
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("presence_penalty", 3),
+        ("repetition_penalty", 0),
+        ("seed", 1.5),
+        ("seed", 2**64),
+        ("repetition_penalty", float("inf")),
+        ("top_p", float("nan")),
+    ],
 )
 def test_bad_sampling_values_are_errors_naming_the_option(tiny_engine, option, value):
     with pytest.raises(ValueError, match=option):

@@ -60,7 +60,7 @@ class _Generate(BaseModel):
     n: StrictInt | None = Field(default=None, ge=1, le=1)
     stop: StrictStr | list[StrictStr] | None = None
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     # vLLM's extensions (extra_body)

@@ -102,8 +102,8 @@ class EpicEngine:
         pol = parse_policy(policy) if policy is not None else self.default_policy
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if not isinstance(temperature, (int, float)) or not 0.0 <= float(temperature) <= 5.0:
-            raise ValueError(f"temperature must be a number in [0, 5], got {temperature!r}")
+        if not isinstance(temperature, (int, float)) or not 0.0 <= float(temperature) <= 2.0:  # vLLM's range
+            raise ValueError(f"temperature must be a number in [0, 2], got {temperature!r}")
         if (
             stop is not None
             and not isinstance(stop, str)

@@ -116,7 +116,7 @@ class ChatEpic(BaseChatModel):
 
     model: str | None = Field(default=None, description="Model the engine serves (default: the engine's).")
     max_tokens: int = Field(default=256, gt=0)
-    temperature: float = Field(default=0.0, ge=0.0, le=5.0)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     stop: list[str] | None = None
     policy: str | None = Field(default=None, description="Link policy (default: the engine's).")
     streaming: bool = Field(default=False, description="invoke() streams internally (callbacks per token).")

@@ -100,7 +100,7 @@ class EpicLLM(CustomLLM):
 
     model: str | None = Field(default=None, description="Model the engine serves (default: the engine's).")
     max_tokens: int = Field(default=256, gt=0, description="Default number of tokens to generate.")
-    temperature: float = Field(default=0.0, ge=0.0, le=5.0, description="Default sampling temperature.")
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0, description="Default sampling temperature.")
     policy: str | None = Field(default=None, description="Link policy (default: the engine's).")
     stop: list[str] | None = Field(default=None, description="Default stop strings.")
     context_window: int | None = Field(
