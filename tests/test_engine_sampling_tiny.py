@@ -80,3 +80,12 @@ def test_streamed_logprobs_match_the_tokens(tiny_engine):
     g = events[-1]
     assert [lp["token_id"] for lp in g.logprobs] == g.token_ids
     assert all(lp["top_logprobs"] == [] for lp in g.logprobs)
+
+
+def test_a_request_that_links_nothing_says_so_in_stats_and_the_debug_log(tiny_engine, caplog):
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="epic_rag.engine.request"):
+        g = tiny_engine.generate("a prompt holding no compiled chunk text at all", max_tokens=2, policy="legolink-16")
+    assert g.chunk_hits == g.chunk_misses == g.linked_tokens == 0 and g.recomputed_tokens == g.prompt_tokens
+    assert "linked nothing under legolink-16" in caplog.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -9,6 +10,8 @@ from dataclasses import dataclass, field
 from ..types import Delta, Generation, PreparedRequest
 from .board import BOARD, LinkJob
 from .runtime import Runtime
+
+log = logging.getLogger(__name__)
 
 
 def last_generation(events: Iterator[Delta | Generation]) -> Generation:
@@ -75,6 +78,11 @@ class RequestRun:
             recomputed = job.recomputed + (n - len(job.token_ids))
         else:
             recomputed = n - (self.cached or 0)  # `prefix`: vLLM's own prefix-cache hits are not recomputed
+        if self.prep.policy.links_chunks and not self.prep.chunks:
+            # No compiled chunk was found in the prompt: every token was prefilled (stats: linked_tokens == 0).
+            log.debug(
+                "request %s linked nothing under %s: a full prefill of %d tokens", self.req_id, self.prep.policy.name, n
+            )
         now = time.perf_counter()
         return Generation(
             text="".join(self.text),
