@@ -388,7 +388,7 @@ def _check_model_and_sampling(cfg: DemoConfig, body, max_tokens: int) -> str:
         raise HTTPException(400, f"policy: {e}") from None
 
 
-async def _prepare(engine, req, body, max_tokens: int, temperature: float, policy: str):
+async def _prepare(engine, req, body, max_tokens: int, temperature: float, policy: str, too_long_hint: str = ""):
     """Validated and tokenized once, off the event loop; the engine's own checks decide what fits."""
     try:
         prepare = functools.partial(
@@ -402,7 +402,8 @@ async def _prepare(engine, req, body, max_tokens: int, temperature: float, polic
         )
         return await asyncio.to_thread(prepare)
     except ValueError as e:
-        raise HTTPException(400, f"prompt too long or invalid: {e}") from None
+        hint = too_long_hint if "context window" in str(e) else ""
+        raise HTTPException(400, f"invalid request: {e}{hint}") from None
 
 
 async def _plan_text(state: DemoState, body: CompletionRequest, engine) -> _Plan:
@@ -463,10 +464,7 @@ async def _plan(state: DemoState, body: ChatCompletionRequest, engine) -> _Plan:
             {"role": m.role, "content": m.text} for m in dialog[-(cfg.history_messages + 1) :]
         ]
         req = engine.render_messages(msgs)
-    try:
-        req = await _prepare(engine, req, body, max_tokens, temperature, policy)
-    except HTTPException as e:
-        raise HTTPException(400, f"{e.detail} (lower top_k or shorten messages)") from None
+    req = await _prepare(engine, req, body, max_tokens, temperature, policy, " (lower top_k or shorten messages)")
     sources = [
         {
             "n": i + 1,
