@@ -402,8 +402,9 @@ async def _prepare(engine, req, body, max_tokens: int, temperature: float, polic
         )
         return await asyncio.to_thread(prepare)
     except ValueError as e:
-        hint = too_long_hint if "context window" in str(e) else ""
-        raise HTTPException(400, f"invalid request: {e}{hint}") from None
+        if "context window" in str(e):
+            raise HTTPException(400, f"prompt too long: {e}{too_long_hint}") from None
+        raise HTTPException(400, f"invalid request: {e}") from None
 
 
 async def _plan_text(state: DemoState, body: CompletionRequest, engine) -> _Plan:
