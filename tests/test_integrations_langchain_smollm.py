@@ -152,8 +152,8 @@ def test_retriever_piped_into_document_compiler_links_documents_never_compiled_a
     from epic_rag.integrations.langchain import EpicDocumentCompiler
 
     docs = [
-        Document("The Orrin lighthouse was built in 1874 on the Kestrel cliffs; its lamp is visible for 19 miles."),
-        Document("Keepers of the Orrin lighthouse served four-year terms and logged every passing ship by hand."),
+        Document("The Halvard ferry crosses the Sundby strait six times a day and carries up to forty cars."),
+        Document("Tickets for the Halvard ferry are sold at the harbour kiosk, which opens at half past five."),
     ]
     assert not any(d.page_content in smol_engine.text_index for d in docs)
     retriever = RunnableLambda(lambda q: list(docs))  # stands in for any vector store's retriever
@@ -170,5 +170,5 @@ def test_retriever_piped_into_document_compiler_links_documents_never_compiled_a
         | prompt
         | ChatEpic(engine=smol_engine, max_tokens=12)
     )
-    meta = chain.invoke("When was the Orrin lighthouse built?").response_metadata
+    meta = chain.invoke("How many cars does the Halvard ferry carry?").response_metadata
     assert meta["chunk_hits"] == 2 and meta["chunk_misses"] == 0 and meta["linked_tokens"] > 0
