@@ -1,10 +1,13 @@
 """epic_rag: position-independent KV caching (EPIC compile + LegoLink link) on an embedded vLLM engine."""
 
+__version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
+
 from .config import EngineConfig
 from .policy import Policy, parse_policy
 from .types import Chunk, ChunkRef, Delta, Generation, RagRequest, Segment
 
 __all__ = [
+    "__version__",
     "EpicEngine",
     "EngineConfig",
     "RagRequest",

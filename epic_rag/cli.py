@@ -89,7 +89,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="epic-rag", description=__doc__)
+    p.add_argument("--version", action="version", version=f"epic-rag {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("ask", help="answer a question over documents with linked chunk KV")
     a.add_argument("--question", "-q", required=True)

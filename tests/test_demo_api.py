@@ -264,3 +264,92 @@ def test_metrics_after_real_requests(server, client):
     assert 'epic_rag_chat_completions_total{outcome="ok",policy="legolink-16",stream="false"}' in text
     assert "epic_rag_time_to_first_token_seconds_count" in text
     assert "epic_rag_store_hits_total{tier=" in text and "epic_rag_linked_tokens_total" in text
+
+
+def _compiled_text(server, doc: str) -> str:
+    """The exact text the library compiled for a document's first chunk (what a client would paste)."""
+    (c,) = [c for c in server.app.state.demo.library.chunks.values() if c.doc == doc and c.index == 0]
+    assert c.ref is not None and c.ref.key
+    return c.text
+
+
+def test_openai_client_models_report_max_model_len(client, smol_engine):
+    (m,) = client.models.list().data
+    assert m.model_extra["max_model_len"] == smol_engine.max_model_len == 8192
+
+
+def test_openai_client_completions_link_compiled_chunks_in_the_prompt(server, client):
+    prompt = f"{_compiled_text(server, 'archive.txt')}\n\nQuestion: {QUESTION}\nAnswer: The passcode is"
+    r = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=8)
+    assert r.object == "text_completion" and "7314" in r.choices[0].text, r.choices[0].text
+    e = r.model_extra["epic"]
+    assert e["chunk_hits"] == 1 and e["linked_tokens"] > 0
+    assert r.usage.prompt_tokens_details.cached_tokens == e["linked_tokens"]
+    stream = client.completions.create(
+        model="smollm2-135m-instruct",
+        prompt=prompt,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text  # greedy: same text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == e["linked_tokens"]
+
+
+def test_openai_client_chat_without_server_retrieval_links_chunks_in_its_own_messages(server, client):
+    context = _compiled_text(server, "archive.txt")
+    r = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        max_tokens=12,
+        messages=[{"role": "user", "content": f"{context}\n\n{QUESTION}"}],
+        extra_body={"use_retrieval": False},
+    )
+    e = r.model_extra["epic"]
+    assert e["sources"] == [] and e["chunk_hits"] == 1 and e["linked_tokens"] > 0
+    assert r.usage.prompt_tokens_details.cached_tokens == e["linked_tokens"]
+
+
+def test_openai_client_usage_counts_linked_tokens_as_cached_in_the_stream(client):
+    stream = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        max_tokens=4,
+        stream=True,
+        messages=[{"role": "user", "content": QUESTION}],
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    linked = [c for c in chunks if c.choices][-1].model_extra["epic"]["linked_tokens"]
+    assert linked > 0 and chunks[-1].usage.prompt_tokens_details.cached_tokens == linked
+
+
+def test_openai_client_sampling_seed_repeats_and_logprobs_come_back(client):
+    def ask(seed):
+        return client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            max_tokens=12,
+            temperature=1.0,
+            top_p=0.95,
+            seed=seed,
+            logprobs=True,
+            top_logprobs=2,
+            messages=[{"role": "user", "content": "Write a word."}],
+            extra_body={"use_retrieval": False, "sampling_top_k": 50, "min_p": 0.01, "repetition_penalty": 1.05},
+        )
+
+    a, b = ask(3), ask(3)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    content = a.choices[0].logprobs.content
+    assert content and len(content) == a.usage.completion_tokens
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content)
+
+
+def test_openai_client_unsupported_fields_are_bad_requests_naming_them(client):
+    with pytest.raises(openai.BadRequestError, match="'tools'"):
+        client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        )
+    with pytest.raises(openai.BadRequestError, match="n"):
+        client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "hi"}], n=2)

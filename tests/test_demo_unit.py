@@ -89,8 +89,8 @@ class FakeEngine:
     def render_messages(self, messages):
         return [self.tokenizer.apply_chat_template(messages)]
 
-    def prepare(self, request, max_tokens=64, temperature=0.0, policy=None, stop=None):
-        return {"request": request, "max_tokens": max_tokens, "policy": policy}
+    def prepare(self, request, max_tokens=64, temperature=0.0, policy=None, stop=None, **options):
+        return {"request": request, "max_tokens": max_tokens, "policy": policy, "stop": stop, "options": options}
 
     async def astream_events(self, prepared):
         request, max_tokens, policy = prepared["request"], prepared["max_tokens"], prepared["policy"]
@@ -231,7 +231,12 @@ def test_chat_completion_non_stream_carries_usage_sources_and_epic_stats(demo):
     assert j["object"] == "chat.completion" and j["choices"][0]["message"]["role"] == "assistant"
     assert j["choices"][0]["message"]["content"] == "w0 w1 w2 w3"
     assert j["choices"][0]["finish_reason"] == "length"
-    assert j["usage"] == {"prompt_tokens": 100, "completion_tokens": 4, "total_tokens": 104}
+    assert j["usage"] == {
+        "prompt_tokens": 100,
+        "completion_tokens": 4,
+        "total_tokens": 104,
+        "prompt_tokens_details": {"cached_tokens": 80},  # the linked tokens
+    }
     e = j["epic"]
     assert e["policy"] == "naive" and e["linked_tokens"] == 80 and e["recomputed_tokens"] == 20
     assert [s["doc"] for s in e["sources"]] == ["archive.md"] and e["sources"][0]["compiled"]
@@ -262,6 +267,7 @@ def test_stream_framing_role_first_finish_last_then_done(demo):
     fin = chunks[-2]
     assert fin["choices"][0]["finish_reason"] == "length" and fin["epic"]["ttft_s"] >= 0
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 80}
 
 
 def test_extra_fields_chunk_ids_and_no_retrieval(demo):
@@ -518,3 +524,105 @@ def test_non_stream_request_is_cancelled_when_the_client_gives_up(demo):
     assert engine.active == 0 and engine.aborted == aborted + 1
     engine.delay = 0.0
     assert app.state.demo.active_chats == 0 and _chat(client).status_code == 200
+
+
+def test_models_report_the_context_window(demo):
+    _, client, engine, _, _ = demo
+    (m,) = client.get("/v1/models").json()["data"]
+    assert m["id"] == "smollm2-135m-instruct" and m["max_model_len"] == engine.max_model_len
+
+
+def test_chat_sampling_fields_reach_the_engine(demo):
+    _, client, engine, _, _ = demo
+    r = _chat(
+        client,
+        top_p=0.9,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        sampling_top_k=20,
+        logprobs=True,
+        top_logprobs=3,
+        stop=["\n"],
+        user="someone",  # does not change an answer: accepted
+        tools=[],  # unsupported but off: accepted
+        n=1,
+    )
+    assert r.status_code == 200, r.text
+    got = engine.requests[-1]
+    assert got["options"] == {
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "seed": 7,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.1,
+        "logprobs": 3,
+    }
+    assert got["stop"] == ["\n"]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "required"),
+        ("response_format", {"type": "json_object"}),
+        ("logit_bias", {"50256": -100}),
+        ("best_of", 3),
+        ("temprature", 0.2),  # a misspelt field is not silently ignored either
+    ],
+)
+def test_unsupported_chat_fields_are_a_400_naming_them(demo, field, value):
+    _, client, engine, _, _ = demo
+    before = len(engine.requests)
+    r = _chat(client, **{field: value})
+    assert r.status_code == 400 and repr(field) in r.json()["error"]["message"], r.text
+    assert len(engine.requests) == before
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [({"n": 2}, "n"), ({"top_logprobs": 2}, "top_logprobs needs logprobs"), ({"top_p": 0}, "top_p")],
+)
+def test_bad_sampling_values_are_a_400(demo, extra, needle):
+    _, client, _, _, _ = demo
+    r = _chat(client, **extra)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_completions_endpoint_takes_a_prompt_and_returns_text_with_usage(demo):
+    _, client, engine, _, _ = demo
+    r = client.post(
+        "/v1/completions",
+        json={"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 3, "top_p": 0.5},
+    )
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["object"] == "text_completion" and j["id"].startswith("cmpl-")
+    assert j["choices"][0]["text"] == "w0 w1 w2" and j["choices"][0]["finish_reason"] == "length"
+    assert j["usage"]["prompt_tokens_details"] == {"cached_tokens": 80}
+    got = engine.requests[-1]
+    assert got["request"] == "Once upon a time" and got["options"] == {"top_p": 0.5}  # no chat template
+    with client.stream(
+        "POST",
+        "/v1/completions",
+        json={"prompt": ["Once"], "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "w0 w1"
+    assert chunks[-1]["usage"]["total_tokens"] == 102
+    for body, needle in [
+        ({"prompt": ["a", "b"]}, "exactly one prompt"),
+        ({"prompt": "a", "echo": True}, "'echo'"),
+        ({"prompt": "a", "suffix": "z"}, "'suffix'"),
+        ({"prompt": "  "}, "empty"),
+    ]:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (body, r.text)

@@ -142,3 +142,33 @@ def test_stock_lcel_prompt_pipeline_links_compiled_documents(smol_engine, lc_ret
     meta = msg.response_metadata
     assert meta["chunk_hits"] == 2 and meta["chunk_misses"] == 0 and meta["linked_tokens"] > 0
     assert meta["policy"] == "legolink-16"
+
+
+def test_retriever_piped_into_document_compiler_links_documents_never_compiled_at_ingest(smol_engine):
+    # A store whose texts this process never compiled (as after loading one from disk): compiling at
+    # retrieval time makes the stock prompt pipeline link them.
+    from langchain_core.runnables import RunnableLambda
+
+    from epic_rag.integrations.langchain import EpicDocumentCompiler
+
+    docs = [
+        Document("The Halvard ferry crosses the Sundby strait six times a day and carries up to forty cars."),
+        Document("Tickets for the Halvard ferry are sold at the harbour kiosk, which opens at half past five."),
+    ]
+    assert not any(d.page_content in smol_engine.text_index for d in docs)
+    retriever = RunnableLambda(lambda q: list(docs))  # stands in for any vector store's retriever
+    prompt = ChatPromptTemplate.from_messages(
+        [("system", "Answer from the context."), ("human", "Context:\n{context}\n\nQuestion: {question}")]
+    )
+    chain = (
+        {
+            "context": retriever
+            | EpicDocumentCompiler(engine=smol_engine)
+            | (lambda ds: "\n\n".join(d.page_content for d in ds)),
+            "question": RunnablePassthrough(),
+        }
+        | prompt
+        | ChatEpic(engine=smol_engine, max_tokens=12)
+    )
+    meta = chain.invoke("How many cars does the Halvard ferry carry?").response_metadata
+    assert meta["chunk_hits"] == 2 and meta["chunk_misses"] == 0 and meta["linked_tokens"] > 0

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("llama_index.core")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from llama_index.core import Settings, StorageContext, VectorStoreIndex  # noqa: E402
+from llama_index.core import Settings, StorageContext, VectorStoreIndex, load_index_from_storage  # noqa: E402
 from llama_index.core.base.llms.types import ChatMessage  # noqa: E402
 from llama_index.core.base.response.schema import Response, StreamingResponse  # noqa: E402
 from llama_index.core.bridge.pydantic import Field  # noqa: E402
@@ -30,6 +30,7 @@ from epic_rag.integrations import STAT_KEYS  # noqa: E402
 from epic_rag.integrations.llamaindex import (  # noqa: E402
     EpicChunkCompiler,
     EpicLLM,
+    EpicNodeCompiler,
     EpicSynthesizer,
     node_llm_text,
 )
@@ -136,6 +137,24 @@ def test_second_question_with_same_chunks_in_another_order_compiles_nothing(smol
     assert 0 < stats["recomputed_tokens"] < stats["prompt_tokens"]
 
 
+def test_token_counting_handler_counts_the_engines_prompt_and_linked_tokens(li_index, events):
+    from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+
+    counter = TokenCountingHandler(tokenizer=lambda s: [0] * 100000)  # would be wildly off if used
+    saved = Settings._callback_manager, Settings.llm.callback_manager
+    Settings.callback_manager = CallbackManager([counter])  # as LlamaIndex documents the handler
+    try:
+        li_index.as_query_engine(similarity_top_k=2).query(Q1)
+    finally:
+        Settings._callback_manager, Settings.llm.callback_manager = saved
+    resp = _chat_end(events).response
+    usage = resp.raw["usage"]
+    assert usage["prompt_tokens"] == resp.additional_kwargs["prompt_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == resp.additional_kwargs["linked_tokens"] > 0
+    assert counter.prompt_llm_token_count == usage["prompt_tokens"]
+    assert counter.completion_llm_token_count == usage["completion_tokens"] > 0
+
+
 def test_stock_streaming_query_engine_links_chunks(li_index, events):
     qe = li_index.as_query_engine(similarity_top_k=2, streaming=True)
     response = qe.query(Q2)
@@ -204,3 +223,29 @@ async def test_epic_llm_async_forms(smol_engine):
     assert c.message.content
     gen = await llm.astream_complete("Name a colour.")
     assert "ttft_s" in [p async for p in gen][-1].additional_kwargs
+
+
+LIGHTHOUSE = {
+    "orrin#0": "The Orrin lighthouse was built in 1874 on the Kestrel cliffs; its lamp is visible for 19 miles.",
+    "orrin#1": "Keepers of the Orrin lighthouse served four-year terms and logged every passing ship by hand.",
+    "mill#0": "The Dunmore windmill ground barley until 1952 and now houses a small museum of farm tools.",
+}
+
+
+def test_persisted_index_loaded_from_storage_links_through_the_node_compiler(smol_engine, li_index, events, tmp_path):
+    # An index built and persisted without EpicChunkCompiler (elsewhere, or before a restart): its texts
+    # were never compiled in this process, so only the retrieval-time compiler makes them link.
+    nodes = [TextNode(text=t, id_=k) for k, t in LIGHTHOUSE.items()]
+    VectorStoreIndex(nodes).storage_context.persist(persist_dir=str(tmp_path))  # Settings.embed_model: MiniLM
+    loaded = load_index_from_storage(StorageContext.from_defaults(persist_dir=str(tmp_path)))
+    assert not any(node_llm_text(n) in smol_engine.text_index for n in nodes)
+    qe = loaded.as_query_engine(similarity_top_k=2, node_postprocessors=[EpicNodeCompiler(engine=smol_engine)])
+    first = qe.query("When was the Orrin lighthouse built?")
+    stats = _chat_end(events).response.additional_kwargs
+    assert {n.node.node_id for n in first.source_nodes} == {"orrin#0", "orrin#1"}
+    assert stats["chunk_hits"] == 2 and stats["chunk_misses"] == 0 and stats["linked_tokens"] > 0
+    events.clear()
+    second = qe.query("How long did Orrin lighthouse keepers serve?")
+    stats = _chat_end(events).response.additional_kwargs
+    assert {n.node.node_id for n in second.source_nodes} == {"orrin#0", "orrin#1"}
+    assert stats["chunk_hits"] == 2 and stats["chunk_misses"] == 0

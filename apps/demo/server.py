@@ -28,14 +28,15 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from epic_rag.integrations import openai_logprobs, openai_token_logprob, usage_of
 from epic_rag.policy import parse_policy
-from epic_rag.types import Generation, RagRequest
+from epic_rag.types import Delta, Generation, RagRequest
 
 from .access import AccessGuard
 from .config import PAGE_POLICIES, DemoConfig
 from .library import ChunkRecord, Library
 from .metrics import DemoMetrics
-from .schemas import ChatCompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).parent / "static"
@@ -354,7 +355,13 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
         return {
             "object": "list",
             "data": [
-                {"id": cfg.served_model, "object": "model", "created": int(state.started), "owned_by": "epic-rag"}
+                {
+                    "id": cfg.served_model,
+                    "object": "model",
+                    "created": int(state.started),
+                    "owned_by": "epic-rag",
+                    "max_model_len": state.engine.max_model_len if state.engine is not None else cfg.max_model_len,
+                }
             ],
         }
 
@@ -407,6 +414,16 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
             if release is not None:
                 release()
 
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        engine = need_engine()
+        plan = await _plan_text(state, body, engine)
+        if body.stream:
+            return EventStreamResponse(
+                _stream(state, engine, body, plan), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            )
+        return await _complete(state, engine, body, plan, request)
+
     app.include_router(api)
     if engine is not None:
         state.attach_engine(engine)
@@ -415,10 +432,17 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
 
 # ---------------------------------------------------------------------- chat completions
 class _Plan:
-    """One chat request resolved: engine request, sources, sampling settings."""
+    """One request resolved: engine request, sources, sampling settings; `text`: a /v1/completions request."""
 
     def __init__(
-        self, req, sources: list[dict], policy: str, max_tokens: int, temperature: float, retrieval_s: float
+        self,
+        req,
+        sources: list[dict],
+        policy: str,
+        max_tokens: int,
+        temperature: float,
+        retrieval_s: float,
+        text: bool = False,
     ) -> None:
         self.req = req
         self.sources = sources
@@ -426,14 +450,58 @@ class _Plan:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.retrieval_s = retrieval_s
-        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        self.text = text
+        self.id = f"{'cmpl' if text else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
+
+
+def _check_model_and_sampling(cfg: DemoConfig, body, max_tokens: int) -> str:
+    """The checks both endpoints share; returns the policy's name."""
+    if body.model and body.model not in (cfg.served_model, cfg.model, "epic-rag", "default"):
+        raise HTTPException(404, f"model {body.model!r} not found; this server serves {cfg.served_model!r}")
+    if max_tokens > cfg.max_tokens_limit:
+        raise HTTPException(400, f"max_tokens must be at most {cfg.max_tokens_limit}, got {max_tokens}")
+    try:
+        return parse_policy(body.policy or cfg.policy).name
+    except ValueError as e:
+        raise HTTPException(400, f"policy: {e}") from None
+
+
+async def _prepare(engine, req, body, max_tokens: int, temperature: float, policy: str, too_long_hint: str = ""):
+    """Validated and tokenized once, off the event loop; the engine's own checks decide what fits."""
+    try:
+        prepare = functools.partial(
+            engine.prepare,
+            req,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            policy=policy,
+            stop=body.stop_list,
+            **body.sampling_options(),
+        )
+        return await asyncio.to_thread(prepare)
+    except ValueError as e:
+        if "context window" in str(e):
+            raise HTTPException(400, f"prompt too long: {e}{too_long_hint}") from None
+        raise HTTPException(400, f"invalid request: {e}") from None
+
+
+async def _plan_text(state: DemoState, body: CompletionRequest, engine) -> _Plan:
+    """/v1/completions: the prompt as given; compiled chunk texts found in it are linked."""
+    cfg = state.cfg
+    max_tokens = body.max_tokens or cfg.default_max_tokens
+    policy = _check_model_and_sampling(cfg, body, max_tokens)
+    if len(body.prompt) > cfg.max_prompt_chars:
+        raise HTTPException(400, f"prompt too long: {len(body.prompt)} characters, limit {cfg.max_prompt_chars}")
+    temperature = 0.0 if body.temperature is None else float(body.temperature)
+    req = await _prepare(engine, body.prompt, body, max_tokens, temperature, policy)
+    return _Plan(req, [], policy, max_tokens, temperature, 0.0, text=True)
 
 
 async def _plan(state: DemoState, body: ChatCompletionRequest, engine) -> _Plan:
     cfg = state.cfg
-    if body.model and body.model not in (cfg.served_model, cfg.model, "epic-rag", "default"):
-        raise HTTPException(404, f"model {body.model!r} not found; this server serves {cfg.served_model!r}")
+    max_tokens = body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens
+    policy = _check_model_and_sampling(cfg, body, max_tokens)
     if len(body.messages) > cfg.max_messages:
         raise HTTPException(400, f"messages: at most {cfg.max_messages} messages per request")
     chars = sum(len(m.text) for m in body.messages)
@@ -442,14 +510,6 @@ async def _plan(state: DemoState, body: ChatCompletionRequest, engine) -> _Plan:
     last = body.messages[-1]
     if last.role != "user" or not last.text.strip():
         raise HTTPException(400, "messages: the last message must be a non-empty user message")
-    max_tokens = body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens
-    if max_tokens > cfg.max_tokens_limit:
-        raise HTTPException(400, f"max_tokens must be at most {cfg.max_tokens_limit}, got {max_tokens}")
-    policy = body.policy or cfg.policy
-    try:
-        policy = parse_policy(policy).name
-    except ValueError as e:
-        raise HTTPException(400, f"policy: {e}") from None
     top_k = cfg.top_k if body.top_k is None else body.top_k
     if top_k > cfg.max_top_k:
         raise HTTPException(400, f"top_k must be at most {cfg.max_top_k}, got {top_k}")
@@ -484,13 +544,7 @@ async def _plan(state: DemoState, body: ChatCompletionRequest, engine) -> _Plan:
             {"role": m.role, "content": m.text} for m in dialog[-(cfg.history_messages + 1) :]
         ]
         req = engine.render_messages(msgs)
-    try:  # validated and tokenized once, off the event loop; the engine's own check decides what fits
-        prepare = functools.partial(
-            engine.prepare, req, max_tokens=max_tokens, temperature=temperature, policy=policy, stop=body.stop_list
-        )
-        req = await asyncio.to_thread(prepare)
-    except ValueError as e:
-        raise HTTPException(400, f"prompt too long or invalid: {e} (lower top_k or shorten messages)") from None
+    req = await _prepare(engine, req, body, max_tokens, temperature, policy, " (lower top_k or shorten messages)")
     sources = [
         {
             "n": i + 1,
@@ -523,11 +577,26 @@ def _epic(plan: _Plan, gen: Generation | None) -> dict:
 
 
 def _usage(gen: Generation) -> dict:
-    n = len(gen.token_ids)
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": n, "total_tokens": gen.prompt_tokens + n}
+    """OpenAI usage; prompt_tokens_details.cached_tokens: the prompt tokens linked from compiled chunks (or, for
+    the `prefix` policy, served by vLLM's prefix cache), i.e. not recomputed."""
+    return usage_of(gen)
 
 
-async def _complete(state: DemoState, engine, body: ChatCompletionRequest, plan: _Plan, request: Request):
+def _text_logprobs(entries: list[dict] | None, offset: int = 0) -> dict | None:
+    """Logprobs in the legacy completions shape (tokens, token_logprobs, top_logprobs, text_offset)."""
+    if entries is None:
+        return None
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in entries:
+        out["tokens"].append(t["token"])
+        out["token_logprobs"].append(t["logprob"])
+        out["top_logprobs"].append({a["token"]: a["logprob"] for a in t["top_logprobs"]})
+        out["text_offset"].append(offset)
+        offset += len(t["token"])
+    return out
+
+
+async def _complete(state: DemoState, engine, body, plan: _Plan, request: Request):
     m = state.metrics
 
     async def collect() -> Generation:
@@ -569,38 +638,42 @@ async def _complete(state: DemoState, engine, body: ChatCompletionRequest, plan:
         m.inflight.dec()
         state.active_chats -= 1
     m.observe_generation(gen, stream=False)
+    finish = gen.finish_reason or "stop"
+    if plan.text:
+        choice = {"index": 0, "text": gen.text, "logprobs": _text_logprobs(gen.logprobs), "finish_reason": finish}
+    else:
+        message = {"role": "assistant", "content": gen.text}
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": openai_logprobs(gen)}
     return {
         "id": plan.id,
-        "object": "chat.completion",
+        "object": "text_completion" if plan.text else "chat.completion",
         "created": plan.created,
         "model": state.cfg.served_model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": gen.text},
-                "finish_reason": gen.finish_reason or "stop",
-                "logprobs": None,
-            }
-        ],
+        "choices": [choice],
         "usage": _usage(gen),
         "epic": _epic(plan, gen),
     }
 
 
-async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _Plan):
+async def _stream(state: DemoState, engine, body, plan: _Plan):
     m = state.metrics
     model = state.cfg.served_model
+    kind = "text_completion" if plan.text else "chat.completion.chunk"
+    offset = 0  # characters streamed so far (legacy logprobs' text_offset)
 
-    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        return _sse(
-            {
-                "id": plan.id,
-                "object": "chat.completion.chunk",
-                "created": plan.created,
-                "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
-                **extra,
+    def chunk(delta: dict, finish: str | None = None, logprobs: list[dict] | None = None, **extra) -> str:
+        if plan.text:
+            choice = {
+                "index": 0,
+                "text": delta.get("content", ""),
+                "logprobs": _text_logprobs(logprobs, offset),
+                "finish_reason": finish,
             }
+        else:
+            lps = None if logprobs is None else {"content": [openai_token_logprob(t) for t in logprobs]}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps}
+        return _sse(
+            {"id": plan.id, "object": kind, "created": plan.created, "model": model, "choices": [choice], **extra}
         )
 
     m.inflight.inc()
@@ -608,15 +681,17 @@ async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _
     outcome = "cancelled"
     try:
         # Sources are known before the first token: the page shows citations while the answer streams.
-        yield chunk({"role": "assistant", "content": ""}, epic=_epic(plan, None))
+        if not plan.text:
+            yield chunk({"role": "assistant", "content": ""}, epic=_epic(plan, None))
         gen: Generation | None = None
         try:
             async with contextlib.aclosing(engine.astream_events(plan.req)) as events:
                 async for ev in events:
                     if isinstance(ev, Generation):
                         gen = ev
-                    elif ev.text:
-                        yield chunk({"content": ev.text})
+                    elif isinstance(ev, Delta) and ev.text:
+                        yield chunk({"content": ev.text}, logprobs=ev.logprobs)
+                        offset += len(ev.text)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:
@@ -657,7 +732,7 @@ async def _stream(state: DemoState, engine, body: ChatCompletionRequest, plan: _
             yield _sse(
                 {
                     "id": plan.id,
-                    "object": "chat.completion.chunk",
+                    "object": kind,
                     "created": plan.created,
                     "model": model,
                     "choices": [],

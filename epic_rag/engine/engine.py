@@ -16,6 +16,7 @@ from ..matching import ChunkTextIndex
 from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
 from ..policy import SINK_LEN, parse_policy
 from ..prompt import assemble, compile_lead, encode_glue, render_messages, to_segments
+from ..sampling import check_sampling_options
 from ..store import ChunkKV, ChunkStore, open_store
 from ..store.checked import KeyCheckedStore
 from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Sampling, Segment
@@ -103,16 +104,20 @@ class EpicEngine:
         temperature: float = 0.0,
         policy: str | None = None,
         stop: list[str] | None = None,
+        **options,
     ) -> PreparedRequest:
         """Validate and tokenize a request once (no chunk is compiled or loaded yet). Raises ValueError for
-        bad input, e.g. a prompt that does not fit the context window. A PreparedRequest is returned as is."""
+        bad input, e.g. a prompt that does not fit the context window, or an unknown sampling option.
+        `options`: top_p, top_k, min_p, seed, presence_penalty, frequency_penalty, repetition_penalty,
+        logprobs (see Sampling). A PreparedRequest is returned as is."""
         if isinstance(request, PreparedRequest):
             return request
+        options = check_sampling_options(options)
         pol = parse_policy(policy) if policy is not None else self.default_policy
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if not isinstance(temperature, (int, float)) or not 0.0 <= float(temperature) <= 5.0:
-            raise ValueError(f"temperature must be a number in [0, 5], got {temperature!r}")
+        if not isinstance(temperature, (int, float)) or not 0.0 <= float(temperature) <= 2.0:  # vLLM's range
+            raise ValueError(f"temperature must be a number in [0, 2], got {temperature!r}")
         if (
             stop is not None
             and not isinstance(stop, str)
@@ -131,6 +136,7 @@ class EpicEngine:
             min(max_tokens, self.max_model_len - len(prompt.token_ids)),
             float(temperature),
             [stop] if isinstance(stop, str) else stop,
+            options,
         )
 
     # ------------------------------------------------------------------ generation
@@ -157,6 +163,7 @@ class EpicEngine:
                 salt=salt,
                 kv_params=kv_params,
                 stop=prep.stop,
+                **prep.options,
             )
         except BaseException:
             if job:
@@ -201,7 +208,8 @@ class EpicEngine:
 
     def generate(self, request: Request, **sampling: Unpack[Sampling]) -> Generation:
         """Answer one request. Keywords (Sampling): max_tokens (64), temperature (0.0: greedy), policy (the
-        engine's default), stop; the same for every generate/stream method."""
+        engine's default), stop, and vLLM's top_p, top_k, min_p, seed, presence_penalty, frequency_penalty,
+        repetition_penalty, logprobs; the same for every generate/stream method."""
         return last_generation(self.stream_events(request, **sampling))
 
     def stream(self, request: Request, **sampling: Unpack[Sampling]) -> Iterator[str]:

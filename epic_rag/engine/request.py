@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -9,6 +10,8 @@ from dataclasses import dataclass, field
 from ..types import Delta, Generation, PreparedRequest
 from .board import BOARD, LinkJob
 from .runtime import Runtime
+
+log = logging.getLogger(__name__)
 
 
 def last_generation(events: Iterator[Delta | Generation]) -> Generation:
@@ -36,6 +39,7 @@ class RequestRun:
     finish: str | None = None
     cached: int | None = None
     done: bool = False
+    logprobs: list | None = None
 
     def consume(self, d: Delta | BaseException) -> Iterator[Delta | Generation]:
         """Take one delta from the runtime: yields it when it carries text, then the Generation when the
@@ -49,6 +53,11 @@ class RequestRun:
                 raise RuntimeError(f"linking failed, answer discarded: {self.job.error}")
         self.text.append(d.text)
         self.token_ids += d.token_ids
+        if d.logprobs is not None:
+            k = self.prep.options.get("logprobs", 0)
+            for lp in d.logprobs:  # vLLM adds the chosen token to the top k when it ranks lower: trim it
+                lp["top_logprobs"] = lp["top_logprobs"][:k]
+            self.logprobs = (self.logprobs or []) + d.logprobs
         if d.text:
             yield d
         if d.finished:
@@ -69,6 +78,11 @@ class RequestRun:
             recomputed = job.recomputed + (n - len(job.token_ids))
         else:
             recomputed = n - (self.cached or 0)  # `prefix`: vLLM's own prefix-cache hits are not recomputed
+        if self.prep.policy.links_chunks and not self.prep.chunks:
+            # No compiled chunk was found in the prompt: every token was prefilled (stats: linked_tokens == 0).
+            log.debug(
+                "request %s linked nothing under %s: a full prefill of %d tokens", self.req_id, self.prep.policy.name, n
+            )
         now = time.perf_counter()
         return Generation(
             text="".join(self.text),
@@ -84,4 +98,5 @@ class RequestRun:
             finish_reason=self.finish,
             chunk_keys=self.chunk_keys,
             prefix_cached_tokens=0 if job is not None else (self.cached or 0),
+            logprobs=self.logprobs,
         )

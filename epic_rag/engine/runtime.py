@@ -76,15 +76,19 @@ class Runtime:
         kv_params: dict | None = None,
         stop: list[str] | None = None,
         seed: int | None = None,
+        **options: Any,
     ) -> str:
         """Submit a tokenized prompt; returns its request id. A fresh `salt` (the default) keeps its KV out
-        of everyone else's prefix-cache hits."""
+        of everyone else's prefix-cache hits. `options`: further checked sampling options (epic_rag.sampling)."""
         prompt, params = vllm_api.request_inputs(
-            prompt_ids, salt or uuid.uuid4().hex, max_tokens, temperature, stop, seed, kv_params
+            prompt_ids, salt or uuid.uuid4().hex, max_tokens, temperature, stop, seed, kv_params, **options
         )
         req_id = uuid.uuid4().hex
         self.submit(req_id, prompt, params, sink)
         return req_id
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.llm.get_tokenizer().decode(token_ids)
 
     def idle(self) -> bool:
         """True when no request is in flight: none waiting for output here, none unfinished in vLLM."""
@@ -162,6 +166,7 @@ class Runtime:
             if sink is None:
                 continue
             c = out.outputs[0] if out.outputs else None
+            lps = getattr(c, "logprobs", None) if c else None
             d = Delta(
                 text=c.text if c else "",
                 token_ids=list(c.token_ids) if c else [],
@@ -169,6 +174,7 @@ class Runtime:
                 finish_reason=c.finish_reason if c else None,
                 t=now,
                 cached_tokens=getattr(out, "num_cached_tokens", None),
+                logprobs=None if lps is None else vllm_api.token_logprobs(lps, list(c.token_ids), self._decode),
             )
             if out.finished:
                 del self._sinks[rid]

@@ -87,8 +87,10 @@ def request_inputs(
     stop: list[str] | str | None,
     seed: int | None,
     kv_params: dict | None,
+    **options: Any,
 ) -> tuple[Any, Any]:
-    """(prompt, params) for LLMEngine.add_request: streamed as deltas, epic params in kv_transfer_params."""
+    """(prompt, params) for LLMEngine.add_request: streamed as deltas, epic params in kv_transfer_params.
+    `options`: further SamplingParams fields (top_p, top_k, min_p, penalties, logprobs), already checked."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -101,8 +103,37 @@ def request_inputs(
         seed=seed,
         output_kind=RequestOutputKind.DELTA,
         extra_args=extra,
+        **options,
     )
     return TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=salt), params
+
+
+def token_logprobs(step_logprobs, token_ids: list[int], decode) -> list[dict] | None:
+    """One delta's sample logprobs (vLLM: per position a {token_id: Logprob(logprob, rank, decoded_token)}
+    holding the chosen token and the top-k) as epic_rag's TokenLogprob dicts, best alternative first."""
+    if step_logprobs is None:
+        return None
+
+    def text(tid: int, lp) -> str:
+        return lp.decoded_token if lp is not None and lp.decoded_token is not None else decode([tid])
+
+    out = []
+    for tid, pos in zip(token_ids, step_logprobs):
+        pos = dict(pos or {})
+        chosen = pos.get(tid)
+        ranked = sorted(
+            (item for item in pos.items() if item[1].rank is not None and item[1].rank >= 1), key=lambda i: i[1].rank
+        )
+        top = [{"token_id": t, "token": text(t, lp), "logprob": float(lp.logprob)} for t, lp in ranked]
+        out.append(
+            {
+                "token_id": tid,
+                "token": text(tid, chosen),
+                "logprob": float(chosen.logprob) if chosen is not None else float("nan"),
+                "top_logprobs": top,
+            }
+        )
+    return out
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -4,13 +4,22 @@
   (e.g. documents a `create_stuff_documents_chain` prompt inserted) are linked from cache. Passing
   `chunks=[...]` (texts, ChunkRefs or Documents) per call, e.g. `model.invoke(question, chunks=docs)`,
   hands them to the engine explicitly as a RagRequest instead.
+- `EpicDocumentCompiler()` is a pass-through Runnable compiling Documents' page_content at query time:
+  `retriever | EpicDocumentCompiler()` links documents from a store loaded from disk or one that keeps its
+  own text. Texts already compiled in this process cost nothing; texts in the chunk store a store lookup.
 - `create_epic_rag_chain(retriever, ...)` is a Runnable: question -> retriever -> engine, with the retrieved
   Documents passed as chunks (no prompt matching); invoke/stream/batch and their async forms.
 
-`AIMessage.response_metadata` carries model_name, finish_reason and the linking figures (ttft_s, total_s,
-prompt_tokens, linked_tokens, recomputed_tokens, chunk_hits, chunk_misses, policy, completion_tokens,
-chunk_keys); `usage_metadata` counts linked prompt tokens as `input_token_details.cache_read`.
+`AIMessage.response_metadata` carries model_name, finish_reason, `token_usage` (OpenAI-shaped, as ChatOpenAI:
+prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details.cached_tokens) and the linking figures
+(ttft_s, total_s, prompt_tokens, linked_tokens, recomputed_tokens, chunk_hits, chunk_misses, policy,
+completion_tokens, chunk_keys); `usage_metadata` counts linked prompt tokens as `input_token_details.cache_read`;
+with `logprobs=True` (and `top_logprobs=k`), `response_metadata["logprobs"] = {"content": [...]}` as ChatOpenAI.
 For streams they arrive on the last chunk.
+
+Sampling options (top_p, top_k, min_p, seed, presence_penalty, frequency_penalty, repetition_penalty,
+logprobs/top_logprobs) are fields, `model_kwargs` entries or per-call keywords; an unknown one is an error
+naming it, never dropped.
 """
 
 from __future__ import annotations
@@ -34,14 +43,24 @@ from langchain_core.messages import (
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
-from langchain_core.runnables.config import patch_config
-from pydantic import ConfigDict, Field, PrivateAttr
+from langchain_core.runnables.config import patch_config, run_in_executor
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from ..config import EngineConfig
 from ..types import ChunkRef, Delta, Generation, RagRequest
-from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, sampling_of, shared_engine
+from ._shared import (
+    adopt_engine,
+    generation_stats,
+    model_label,
+    openai_logprobs,
+    option_defaults,
+    peek_shared_engine,
+    sampling_of,
+    shared_engine,
+    usage_of,
+)
 
-__all__ = ["ChatEpic", "EpicRagChain", "compile_documents", "create_epic_rag_chain"]
+__all__ = ["ChatEpic", "EpicDocumentCompiler", "EpicRagChain", "compile_documents", "create_epic_rag_chain"]
 
 
 def _text(content: Any, role: str) -> str:
@@ -75,6 +94,10 @@ def _role(m: BaseMessage) -> str:
     raise ValueError(f"unsupported message type {type(m).__name__}")
 
 
+# Per-call keywords ChatEpic takes besides the sampling options (`stream` is LangChain's own switch).
+_CALL_KEYWORDS = ("chunks", "model", "stream")
+
+
 def _chunk(c: Any) -> str | ChunkRef:
     if isinstance(c, Document):
         return c.page_content
@@ -87,15 +110,39 @@ class ChatEpic(BaseChatModel):
     """A LangChain chat model on an embedded EpicEngine (the process's shared engine unless one is given).
 
     Construction is cheap: without `engine=`, the shared engine is created on the first call.
-    Per call: `max_tokens`, `temperature`, `stop`, `policy`, `chunks`.
+    Per call: `max_tokens`, `temperature`, `stop`, `policy`, `chunks`, and the sampling options.
+    An unknown constructor parameter or per-call keyword is an error naming it.
     """
 
     model: str | None = Field(default=None, description="Model the engine serves (default: the engine's).")
     max_tokens: int = Field(default=256, gt=0)
-    temperature: float = Field(default=0.0, ge=0.0, le=5.0)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     stop: list[str] | None = None
     policy: str | None = Field(default=None, description="Link policy (default: the engine's).")
     streaming: bool = Field(default=False, description="invoke() streams internally (callbacks per token).")
+    top_p: float | None = Field(default=None, description="Nucleus sampling (default: vLLM's, 1.0).")
+    top_k: int | None = Field(default=None, description="Top-k sampling (0 or -1: off).")
+    min_p: float | None = None
+    seed: int | None = Field(default=None, description="Per-request sampling seed.")
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: bool | int | None = Field(
+        default=None, description="True (with top_logprobs) as ChatOpenAI, or vLLM's number of alternatives."
+    )
+    top_logprobs: int | None = None
+    model_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Further sampling options by name (an unknown one is an error)."
+    )
+    timeout: float | None = Field(
+        default=None, description="Accepted as LangChain's standard parameter; an in-process call has no timeout."
+    )
+    max_retries: int | None = Field(
+        default=None, description="Accepted as LangChain's standard parameter; nothing is retried in-process."
+    )
+    api_key: SecretStr | None = Field(
+        default=None, exclude=True, description="Accepted as LangChain's standard parameter; none is needed."
+    )
     engine_config: Any = Field(
         default=None, exclude=True, description="Config for the shared engine if none exists yet."
     )
@@ -108,8 +155,22 @@ class ChatEpic(BaseChatModel):
         if engine is not None and not kwargs.get("model"):
             kwargs["model"] = model_label(engine)
         super().__init__(**kwargs)
+        self._gen_kwargs(None, {})  # a bad or unknown sampling option fails here, not on the first call
         if engine is not None:
             self._engine = adopt_engine(engine)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_parameters(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            unknown = [k for k in values if k not in known]
+            if unknown:
+                raise ValueError(
+                    f"ChatEpic: unknown parameter {unknown[0]!r} (sampling options: top_p, top_k, min_p, seed, "
+                    "presence_penalty, frequency_penalty, repetition_penalty, logprobs, top_logprobs, model_kwargs)"
+                )
+        return values
 
     @property
     def engine(self):
@@ -158,7 +219,9 @@ class ChatEpic(BaseChatModel):
         model = kwargs.get("model")
         if model and model != self.model_name:
             raise ValueError(f"this engine serves {self.model_name!r}; it cannot switch to {model!r} per call")
-        return sampling_of(self, kwargs, stop)
+        return sampling_of(
+            self, kwargs, stop, defaults=option_defaults(self, self.model_kwargs), passthrough=_CALL_KEYWORDS
+        )
 
     def _request(self, messages: Sequence[BaseMessage], kwargs: dict[str, Any]):
         chunks = kwargs.get("chunks")
@@ -178,7 +241,15 @@ class ChatEpic(BaseChatModel):
         return self.engine.render_messages(dicts)
 
     def _metadata(self, g: Generation) -> dict[str, Any]:
-        return {"model_name": self.model_name, "model_provider": "epic_rag", **generation_stats(g)}
+        out = {
+            "model_name": self.model_name,
+            "model_provider": "epic_rag",
+            "token_usage": usage_of(g),
+            **generation_stats(g),
+        }
+        if g.logprobs is not None:
+            out["logprobs"] = openai_logprobs(g)
+        return out
 
     @staticmethod
     def _usage(g: Generation) -> UsageMetadata:
@@ -194,8 +265,21 @@ class ChatEpic(BaseChatModel):
         msg = AIMessage(content=g.text, response_metadata=self._metadata(g), usage_metadata=self._usage(g))
         return ChatResult(
             generations=[ChatGeneration(message=msg, generation_info={"finish_reason": g.finish_reason})],
-            llm_output={"model_name": self.model_name},
+            llm_output={"model_name": self.model_name, "token_usage": usage_of(g)},
         )
+
+    def _combine_llm_outputs(self, llm_outputs: list[dict | None]) -> dict:
+        """`generate()` over several prompts: token usage summed, as ChatOpenAI does."""
+        total: dict[str, Any] = {}
+        for out in llm_outputs:
+            for k, v in ((out or {}).get("token_usage") or {}).items():
+                if isinstance(v, dict):
+                    sub = total.setdefault(k, {})
+                    for k2, v2 in v.items():
+                        sub[k2] = sub.get(k2, 0) + v2
+                else:
+                    total[k] = total.get(k, 0) + v
+        return {"model_name": self.model_name, "token_usage": total}
 
     def _last_chunk(self, g: Generation) -> ChatGenerationChunk:
         return ChatGenerationChunk(
@@ -378,6 +462,56 @@ def compile_documents(
     chains that pass them as chunks find them compiled. Returns the refs in input order."""
     eng = adopt_engine(engine) if engine is not None else shared_engine()
     return eng.compile([d.page_content for d in documents], policy=policy, batch_size=batch_size)
+
+
+class EpicDocumentCompiler(RunnableSerializable[Sequence[Document], list[Document]]):
+    """Documents in, the same Documents out, their page_content compiled on the way (a retrieval-time step).
+
+    `retriever | EpicDocumentCompiler() | ...`: a prompt that inserts page_content verbatim (e.g.
+    `create_stuff_documents_chain`) then links them. Texts already compiled in this process are skipped;
+    the chunk store skips those it holds.
+    """
+
+    policy: str | None = None
+    batch_size: int = Field(default=32, gt=0)
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    _engine: Any = PrivateAttr(default=None)
+
+    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if engine is not None:
+            self._engine = adopt_engine(engine)
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            self._engine = shared_engine()
+        return self._engine
+
+    def _compile(self, docs: Any) -> list[Document]:
+        docs = list(docs)
+        if not all(isinstance(d, Document) for d in docs):
+            raise ValueError("EpicDocumentCompiler takes a list of Documents")
+        eng = self.engine
+        fresh = [t for t in dict.fromkeys(d.page_content for d in docs) if t.strip() and t not in eng.text_index]
+        if fresh:
+            eng.compile(fresh, policy=self.policy, batch_size=self.batch_size)
+        return docs
+
+    def invoke(self, input: Sequence[Document], config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
+        return self._call_with_config(self._compile, input, config)
+
+    async def ainvoke(
+        self, input: Sequence[Document], config: RunnableConfig | None = None, **kwargs: Any
+    ) -> list[Document]:
+        _ = self.engine  # created (if need be) on this thread, not in the worker
+
+        async def run(docs: Any) -> list[Document]:
+            return await run_in_executor(None, self._compile, docs)
+
+        return await self._acall_with_config(run, input, config)
 
 
 def create_epic_rag_chain(

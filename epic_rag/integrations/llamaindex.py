@@ -6,12 +6,20 @@
 - `EpicChunkCompiler` (a TransformComponent) compiles each node's LLM-visible text
   (`node.get_content(MetadataMode.LLM)`, metadata header included, stripped as response synthesis inserts
   it), so a corpus is compiled at ingest. Put it after every step that changes text or metadata.
+- `EpicNodeCompiler` (a BaseNodePostprocessor) compiles the retrieved nodes' LLM-visible text at query time,
+  so an index persisted elsewhere, a vector store that keeps its own text, or a pipeline whose docstore
+  skipped unchanged documents still links: `index.as_query_engine(node_postprocessors=[EpicNodeCompiler()])`.
+  Texts already compiled in this process cost nothing; texts already in the chunk store cost a store lookup.
 - `EpicSynthesizer` (a BaseSynthesizer) hands the retrieved node texts to the engine as chunks of a
   RagRequest: no string matching; the linking figures land in `Response.metadata`.
 
 Every response carries the figures in `additional_kwargs` (CompletionResponse / ChatResponse; for streams,
 on the last item): ttft_s, total_s, prompt_tokens, linked_tokens, recomputed_tokens, chunk_hits,
-chunk_misses, policy, finish_reason, completion_tokens, chunk_keys.
+chunk_misses, policy, finish_reason, completion_tokens, chunk_keys; and OpenAI-shaped token usage in
+`raw["usage"]` (prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details.cached_tokens = linked
+tokens), where LlamaIndex's `TokenCountingHandler` reads it. Sampling options (top_p, top_k, min_p, seed,
+penalties, logprobs/top_logprobs) are fields, `additional_kwargs` entries or per-call keywords; an unknown
+one is an error naming it.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
+    LogProb,
     MessageRole,
     TextBlock,
 )
@@ -39,15 +48,25 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
-from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, TransformComponent
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
 from llama_index.core.settings import Settings
 
 from ..config import EngineConfig
 from ..types import Delta, Generation, RagRequest
-from ._shared import adopt_engine, generation_stats, model_label, peek_shared_engine, sampling_of, shared_engine
+from ._shared import (
+    adopt_engine,
+    generation_stats,
+    model_label,
+    option_defaults,
+    peek_shared_engine,
+    sampling_of,
+    shared_engine,
+    usage_of,
+)
 
-__all__ = ["EpicLLM", "EpicChunkCompiler", "EpicSynthesizer", "node_llm_text"]
+__all__ = ["EpicLLM", "EpicChunkCompiler", "EpicNodeCompiler", "EpicSynthesizer", "node_llm_text"]
 
 _ROLE = {
     MessageRole.DEVELOPER: "system",
@@ -81,11 +100,25 @@ class EpicLLM(CustomLLM):
 
     model: str | None = Field(default=None, description="Model the engine serves (default: the engine's).")
     max_tokens: int = Field(default=256, gt=0, description="Default number of tokens to generate.")
-    temperature: float = Field(default=0.0, ge=0.0, le=5.0, description="Default sampling temperature.")
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0, description="Default sampling temperature.")
     policy: str | None = Field(default=None, description="Link policy (default: the engine's).")
     stop: list[str] | None = Field(default=None, description="Default stop strings.")
     context_window: int | None = Field(
         default=None, gt=0, description="Cap on the reported context window (default: engine's)."
+    )
+    top_p: float | None = Field(default=None, description="Nucleus sampling (default: vLLM's, 1.0).")
+    top_k: int | None = Field(default=None, description="Top-k sampling (0 or -1: off).")
+    min_p: float | None = Field(default=None, description="Min-p sampling.")
+    seed: int | None = Field(default=None, description="Per-request sampling seed.")
+    presence_penalty: float | None = Field(default=None)
+    frequency_penalty: float | None = Field(default=None)
+    repetition_penalty: float | None = Field(default=None)
+    logprobs: bool | int | None = Field(
+        default=None, description="True (with top_logprobs) as OpenAI, or vLLM's number of alternatives."
+    )
+    top_logprobs: int | None = Field(default=None, description="Alternatives per token with logprobs=True.")
+    additional_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Further sampling options by name (an unknown one is an error)."
     )
 
     _engine: Any = PrivateAttr(default=None)
@@ -95,6 +128,7 @@ class EpicLLM(CustomLLM):
         if engine is not None and not kwargs.get("model"):
             kwargs["model"] = model_label(engine)
         super().__init__(**kwargs)
+        self._sampling({})  # a bad or unknown sampling option fails here, not on the first call
         self._engine = adopt_engine(engine) if engine is not None else None
         self._config = config
 
@@ -130,6 +164,9 @@ class EpicLLM(CustomLLM):
         )
 
     # ------------------------------------------------------------------ requests
+    def _sampling(self, kwargs: dict[str, Any]):
+        return sampling_of(self, kwargs, defaults=option_defaults(self, self.additional_kwargs))
+
     def _completion_request(self, prompt: str, formatted: bool):
         if formatted:
             return prompt
@@ -148,56 +185,52 @@ class EpicLLM(CustomLLM):
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        g = self.engine.generate(self._completion_request(prompt, formatted), **sampling_of(self, kwargs))
-        return CompletionResponse(text=g.text, additional_kwargs=generation_stats(g))
+        g = self.engine.generate(self._completion_request(prompt, formatted), **self._sampling(kwargs))
+        return _as_completion(g.text, None, g)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         return _stream(
-            self.engine.stream_events(self._completion_request(prompt, formatted), **sampling_of(self, kwargs)),
+            self.engine.stream_events(self._completion_request(prompt, formatted), **self._sampling(kwargs)),
             _as_completion,
         )
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         req = self._completion_request(prompt, formatted)
-        g = await self.engine.agenerate(req, **sampling_of(self, kwargs))
-        return CompletionResponse(text=g.text, additional_kwargs=generation_stats(g))
+        g = await self.engine.agenerate(req, **self._sampling(kwargs))
+        return _as_completion(g.text, None, g)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         req = self._completion_request(prompt, formatted)
-        return _astream(self.engine.astream_events(req, **sampling_of(self, kwargs)), _as_completion)
+        return _astream(self.engine.astream_events(req, **self._sampling(kwargs)), _as_completion)
 
     # ------------------------------------------------------------------ chat
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        g = self.engine.generate(self._chat_request(messages), **sampling_of(self, kwargs))
-        return ChatResponse(
-            message=ChatMessage(role=MessageRole.ASSISTANT, content=g.text), additional_kwargs=generation_stats(g)
-        )
+        g = self.engine.generate(self._chat_request(messages), **self._sampling(kwargs))
+        return _as_chat(g.text, None, g)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return _stream(self.engine.stream_events(self._chat_request(messages), **sampling_of(self, kwargs)), _as_chat)
+        return _stream(self.engine.stream_events(self._chat_request(messages), **self._sampling(kwargs)), _as_chat)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         req = self._chat_request(messages)
-        g = await self.engine.agenerate(req, **sampling_of(self, kwargs))
-        return ChatResponse(
-            message=ChatMessage(role=MessageRole.ASSISTANT, content=g.text), additional_kwargs=generation_stats(g)
-        )
+        g = await self.engine.agenerate(req, **self._sampling(kwargs))
+        return _as_chat(g.text, None, g)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         req = self._chat_request(messages)
-        return _astream(self.engine.astream_events(req, **sampling_of(self, kwargs)), _as_chat)
+        return _astream(self.engine.astream_events(req, **self._sampling(kwargs)), _as_chat)
 
 
 # Engine stream events -> LlamaIndex responses carrying the text so far (sync and async share the steps).
 def _pieces():
-    """A function turning one event into (text so far, delta, stats or None), or None to skip it."""
+    """A function turning one event into (text so far, delta, the Generation or None), or None to skip it."""
     text = ""
 
     def step(ev):
@@ -206,20 +239,36 @@ def _pieces():
             text += ev.text
             return text, ev.text, None
         if isinstance(ev, Generation):
-            return ev.text, "", generation_stats(ev)
+            return ev.text, "", ev
         return None
 
     return step
 
 
-def _as_completion(text: str, delta: str, stats: dict | None) -> CompletionResponse:
-    return CompletionResponse(text=text, delta=delta, additional_kwargs=stats or {})
+def _logprobs(g: Generation | None) -> list[list[LogProb]] | None:
+    """Per generated token, its top alternatives (the chosen token alone when none were asked for), as
+    LlamaIndex's OpenAI LLM gives them."""
+    if g is None or g.logprobs is None:
+        return None
+
+    def lp(d: dict) -> LogProb:
+        return LogProb(token=d["token"], logprob=d["logprob"], bytes=list(d["token"].encode("utf-8")))
+
+    return [[lp(a) for a in t["top_logprobs"]] or [lp(t)] for t in g.logprobs]
 
 
-def _as_chat(text: str, delta: str, stats: dict | None) -> ChatResponse:
-    return ChatResponse(
-        message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, additional_kwargs=stats or {}
-    )
+def _extras(g: Generation | None) -> dict[str, Any]:
+    if g is None:
+        return {"additional_kwargs": {}}
+    return {"additional_kwargs": generation_stats(g), "raw": {"usage": usage_of(g)}, "logprobs": _logprobs(g)}
+
+
+def _as_completion(text: str, delta: str | None, g: Generation | None) -> CompletionResponse:
+    return CompletionResponse(text=text, delta=delta, **_extras(g))
+
+
+def _as_chat(text: str, delta: str | None, g: Generation | None) -> ChatResponse:
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, **_extras(g))
 
 
 def _stream(events, make):
@@ -275,6 +324,57 @@ class EpicChunkCompiler(TransformComponent):
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         _ = self.engine  # created (if need be) on this thread, not in the worker
         return await asyncio.to_thread(self.__call__, nodes, **kwargs)
+
+
+def _compile_new(engine: Any, texts: Sequence[str], policy: str | None, batch_size: int) -> int:
+    """Compile the texts not yet known to this process's engine (the store skips those it holds); returns how
+    many were handed to compile."""
+    fresh = [t for t in dict.fromkeys(texts) if t and t.strip() and t not in engine.text_index]
+    if fresh:
+        engine.compile(fresh, policy=policy, batch_size=batch_size)
+    return len(fresh)
+
+
+class EpicNodeCompiler(BaseNodePostprocessor):
+    """Query-time step: compiles the retrieved nodes' LLM-visible text, so the LLM call links them.
+
+    Nodes pass through unchanged (order and scores kept). Use it last among the node postprocessors (after
+    rerankers and filters, which may change what reaches the prompt), e.g.
+    `index.as_query_engine(node_postprocessors=[EpicNodeCompiler()])`, or in a context chat engine.
+    For a corpus compiled at ingest (EpicChunkCompiler) in this process it costs a dictionary lookup per node;
+    texts whose KV the chunk store already holds (a persisted index after a restart) cost a store lookup.
+    """
+
+    policy: str | None = Field(default=None, description="Compile for this link policy (default: engine's).")
+    batch_size: int = Field(default=32, gt=0, description="Chunks per compile batch.")
+
+    _engine: Any = PrivateAttr(default=None)
+
+    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._engine = adopt_engine(engine) if engine is not None else None
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "EpicNodeCompiler"
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            self._engine = shared_engine()
+        return self._engine
+
+    def _postprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
+        _compile_new(self.engine, [node_llm_text(n.node) for n in nodes], self.policy, self.batch_size)
+        return nodes
+
+    async def _apostprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
+        _ = self.engine  # created (if need be) on this thread, not in the worker
+        return await asyncio.to_thread(self._postprocess_nodes, nodes, query_bundle)
 
 
 class _Stats:
@@ -351,7 +451,7 @@ class EpicSynthesizer(BaseSynthesizer):
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
         stats: _Stats | None = response_kwargs.pop("_epic_stats", None)
-        kw = sampling_of(self._epic, {**self._overrides, **response_kwargs})
+        kw = self._epic._sampling({**self._overrides, **response_kwargs})
         req = self._request(query_str, text_chunks)
         engine = self._epic.engine
         if not self._streaming:
@@ -372,7 +472,7 @@ class EpicSynthesizer(BaseSynthesizer):
 
     async def aget_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
         stats: _Stats | None = response_kwargs.pop("_epic_stats", None)
-        kw = sampling_of(self._epic, {**self._overrides, **response_kwargs})
+        kw = self._epic._sampling({**self._overrides, **response_kwargs})
         req = self._request(query_str, text_chunks)
         engine = self._epic.engine
         if not self._streaming:

@@ -1,0 +1,91 @@
+"""Retrieval-time compile steps on a recording engine (no model): EpicNodeCompiler (LlamaIndex node
+postprocessor) and EpicDocumentCompiler (LangChain runnable) compile what the prompt will show, once, and pass
+their input through unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from epic_rag.types import ChunkRef
+
+
+class RecordingEngine:
+    def __init__(self) -> None:
+        self.text_index: set[str] = set()
+        self.compiled: list[list[str]] = []
+
+    def compile(self, texts, policy=None, batch_size=32):
+        self.compiled.append(list(texts))
+        self.text_index.update(texts)
+        return [ChunkRef(f"k{i}", 3, t) for i, t in enumerate(texts)]
+
+
+@pytest.fixture()
+def engine():
+    return RecordingEngine()
+
+
+def test_node_compiler_compiles_the_llm_visible_text_once_and_passes_nodes_through(engine):
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    from epic_rag.integrations.llamaindex import EpicNodeCompiler, node_llm_text
+
+    nodes = [
+        NodeWithScore(node=TextNode(text="alpha text", id_="a", metadata={"doc": "a.txt"}), score=0.9),
+        NodeWithScore(node=TextNode(text="beta text", id_="b", metadata={"doc": "b.txt"}), score=0.5),
+        NodeWithScore(node=TextNode(text="alpha text", id_="a", metadata={"doc": "a.txt"}), score=0.4),
+    ]
+    pp = EpicNodeCompiler()
+    pp._engine = engine  # not adopt_engine: the recording engine must not become the process's shared one
+    out = pp.postprocess_nodes(nodes, query_str="q")
+    assert out == nodes and [n.score for n in out] == [0.9, 0.5, 0.4]
+    assert engine.compiled == [["doc: a.txt\n\nalpha text", "doc: b.txt\n\nbeta text"]]
+    assert engine.compiled[0][0] == node_llm_text(nodes[0].node)  # metadata header included, as prompts show it
+    pp.postprocess_nodes(nodes[:2], query_str="again")
+    assert len(engine.compiled) == 1  # already compiled in this process: nothing handed to compile
+
+
+async def test_node_compiler_async_form(engine):
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    from epic_rag.integrations.llamaindex import EpicNodeCompiler
+
+    pp = EpicNodeCompiler()
+    pp._engine = engine
+    nodes = [NodeWithScore(node=TextNode(text="gamma text", id_="g"), score=1.0)]
+    assert await pp.apostprocess_nodes(nodes, query_str="q") == nodes
+    assert engine.compiled == [["gamma text"]]
+
+
+def test_document_compiler_compiles_page_content_verbatim_and_passes_documents_through(engine):
+    pytest.importorskip("langchain_core")
+    from langchain_core.documents import Document
+    from langchain_core.runnables import RunnableLambda
+
+    from epic_rag.integrations.langchain import EpicDocumentCompiler
+
+    docs = [Document("one doc\n", id="1"), Document("two doc"), Document("one doc\n"), Document("   ")]
+    comp = EpicDocumentCompiler()
+    comp._engine = engine
+    chain = RunnableLambda(lambda q: docs) | comp
+    assert chain.invoke("q") == docs
+    assert engine.compiled == [["one doc\n", "two doc"]]  # whitespace-only skipped, duplicates once
+    chain.invoke("q")
+    assert len(engine.compiled) == 1
+    with pytest.raises(ValueError, match="Documents"):
+        comp.invoke(["not a document"])
+
+
+async def test_document_compiler_async_form(engine):
+    pytest.importorskip("langchain_core")
+    from langchain_core.documents import Document
+
+    from epic_rag.integrations.langchain import EpicDocumentCompiler
+
+    comp = EpicDocumentCompiler()
+    comp._engine = engine
+    docs = [Document("three doc")]
+    assert await comp.ainvoke(docs) == docs
+    assert engine.compiled == [["three doc"]]

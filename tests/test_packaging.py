@@ -1,0 +1,68 @@
+"""Packaging: runtime extras hold no test-only packages, the framework extras force no vector store or embedding
+model (nothing in the integrations imports one), the package is typed, and the CLI reports its version."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import epic_rag
+from epic_rag.cli import main
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_ONLY = ("langchain-tests", "playwright", "openai")
+
+
+def _extras() -> dict[str, list[str]]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def _names(reqs: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0].lower() for r in reqs}
+
+
+def test_test_only_packages_are_in_the_test_extra_only():
+    extras = _extras()
+    assert set(TEST_ONLY) <= _names(extras["test"])
+    for name, reqs in extras.items():
+        if name != "test":
+            assert not set(TEST_ONLY) & _names(reqs), name
+
+
+def test_framework_extras_force_no_vector_store_or_embeddings():
+    extras = _extras()
+    assert _names(extras["llamaindex"]) == {"llama-index-core"}
+    assert _names(extras["langchain"]) == {"langchain-core"}
+
+
+def test_importing_the_integrations_loads_no_vector_store_or_embedding_package():
+    code = (
+        "import sys, epic_rag.integrations.llamaindex, epic_rag.integrations.langchain\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('faiss', 'sentence_transformers', "
+        "'langchain_community', 'langchain_huggingface') or m.startswith(('llama_index.vector_stores', "
+        "'llama_index.embeddings.huggingface'))]\n"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_package_is_typed_and_ships_the_marker():
+    assert (Path(epic_rag.__file__).parent / "py.typed").is_file()
+    assert "py.typed" in (ROOT / "pyproject.toml").read_text()
+
+
+def test_cli_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"epic-rag {epic_rag.__version__}"
