@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -109,3 +110,51 @@ def test_a_request_submitted_after_shutdown_fails_instead_of_hanging(rt):
     assert r.health() is not None
     with pytest.raises(RuntimeError, match="shut down"):
         r.submit("late", None, None, lambda d: None)
+
+
+def test_a_wait_on_a_hung_step_times_out_and_a_wait_on_a_dead_engine_raises(rt):
+    r, llm = rt
+    llm.gate = threading.Event()  # step() hangs (until released at the end)
+    ev = threading.Event()
+    r.submit("a", None, None, lambda d: ev.set() if isinstance(d, BaseException) or d.finished else None)
+    assert llm.in_step.wait(5)
+    with pytest.raises(TimeoutError, match="no output"):
+        r.wait_for(ev, stall_s=1.5)
+    llm.fail = RuntimeError("device lost")
+    llm.gate.set()
+    with pytest.raises(RuntimeError, match="fatal|not running|device lost"):
+        r.poll(lambda t: queue.SimpleQueue().get(timeout=t), stall_s=30)
+
+
+def test_a_compile_batch_failing_part_way_aborts_its_requests_and_frees_every_capture(rt, monkeypatch):
+    import torch
+
+    from epic_rag.engine.board import BOARD
+    from epic_rag.engine.chunks import ChunkResolver
+    from epic_rag.store import MemoryStore
+
+    r, llm = rt
+    llm.gate = threading.Event()  # both compile requests stay in flight
+    before = BOARD.pending()
+    kv_info = {"num_layers": 1, "num_kv_heads": 1, "head_size": 2, "kv_dtype": str(torch.float32)}
+    tok = SimpleNamespace(bos_token_id=1, eos_token_id=2)
+    res = ChunkResolver(MemoryStore(), r, tok, "fp", kv_info, 64, [1, 5, 6])
+    calls = []
+
+    def submit_tokens(prompt, sink, **kw):  # the second submit fails (e.g. the engine refuses it)
+        calls.append(prompt)
+        if len(calls) == 2:
+            raise RuntimeError("refused")
+        rid = f"r{len(calls)}"
+        r.submit(rid, None, None, sink)
+        return rid
+
+    monkeypatch.setattr(r, "submit_tokens", submit_tokens)
+    with pytest.raises(RuntimeError, match="refused"):
+        res.resolve([([7, 8], res.variant), ([9, 10], res.variant)])
+    assert BOARD.pending() == before and not res._inflight  # no capture left posted
+    llm.gate.set()  # the step in progress returns; the abort queued meanwhile is applied next
+    deadline = time.monotonic() + 5
+    while "r1" not in llm.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "r1" in llm.aborted

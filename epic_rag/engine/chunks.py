@@ -167,6 +167,7 @@ class ChunkResolver:
         L, H, D = info["num_layers"], info["num_kv_heads"], info["head_size"]
         kv_dtype = getattr(torch, info["kv_dtype"].removeprefix("torch."))
         done: list[tuple[str, str, Capture, list[int], list[int], Future, threading.Event]] = []
+        submitted: list[str] = []  # vLLM request ids, aborted if the batch fails part-way
         try:
             for key, (fut, tokens, variant) in todo.items():
                 lead = self.lead if variant == self.variant else []
@@ -181,11 +182,13 @@ class ChunkResolver:
                 BOARD.post_capture(cap_id, cap)
                 ev = threading.Event()
                 done.append((key, cap_id, cap, prompt, record, fut, ev))
-                self.runtime.submit_tokens(
-                    prompt, event_sink(ev), max_tokens=1, kv_params={"epic": {"capture": cap_id}}
+                submitted.append(
+                    self.runtime.submit_tokens(
+                        prompt, event_sink(ev), max_tokens=1, kv_params={"epic": {"capture": cap_id}}
+                    )
                 )
             for key, cap_id, cap, prompt, record, fut, ev in done:
-                ev.wait()
+                self.runtime.wait_for(ev)
                 BOARD.pop_capture(cap_id)
                 err = getattr(ev, "error", None) or cap.error
                 if err is None and cap.filled_to < len(prompt):
@@ -200,6 +203,10 @@ class ChunkResolver:
                     log.exception("storing chunk %s failed; serving it from this compile", key)
                 fut.set_result(kv)
         except BaseException as e:
+            for req_id in submitted:  # no-op for those already finished
+                self.runtime.abort(req_id)
+            for _, cap_id, *_ in done:  # nothing left on the board
+                BOARD.pop_capture(cap_id)
             for *_, fut, _ in done:
                 if not fut.done():
                     fut.set_exception(e)

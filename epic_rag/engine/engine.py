@@ -24,7 +24,7 @@ from . import vllm_api
 from .board import BOARD, LinkJob
 from .chunks import ChunkResolver
 from .request import RequestRun, last_generation
-from .runtime import Runtime
+from .runtime import POLL_S, STALL_S, Runtime
 
 Request = RagRequest | str | Sequence[Segment] | PreparedRequest
 
@@ -177,7 +177,7 @@ class EpicEngine:
         run = self._start(request, box.put, **sampling)
         try:
             while not run.done:
-                yield from run.consume(box.get())
+                yield from run.consume(self.runtime.poll(lambda t: box.get(timeout=t)))
         except BaseException:  # includes GeneratorExit: the consumer went away
             run.cancel()
             raise
@@ -199,8 +199,19 @@ class EpicEngine:
             setup.add_done_callback(lambda f: None if f.cancelled() or f.exception() else f.result().cancel())
             raise
         try:
+            stalled = 0.0
             while not run.done:
-                for ev in run.consume(await q.get()):
+                try:  # the engine's health is checked while waiting, as in stream_events
+                    item = await asyncio.wait_for(q.get(), POLL_S)
+                except asyncio.TimeoutError:
+                    stalled += POLL_S
+                    if (why := self.runtime.health()) is not None:
+                        raise RuntimeError(why) from None
+                    if stalled > STALL_S:
+                        raise TimeoutError(f"no output from the engine for {STALL_S:g} s") from None
+                    continue
+                stalled = 0.0
+                for ev in run.consume(item):
                     yield ev
         except BaseException:  # includes cancellation: the client went away
             run.cancel()

@@ -21,6 +21,9 @@ from . import vllm_api
 
 log = logging.getLogger(__name__)
 
+POLL_S = 1.0  # how often a waiting caller checks that the engine thread is alive
+STALL_S = 600.0  # a request with no output for this long is given up (a step hung inside vLLM)
+
 
 @dataclass
 class _Pending:
@@ -53,6 +56,28 @@ class Runtime:
         if not self._thread.is_alive():
             return "engine thread is not running"
         return None
+
+    def wait_for(self, ev: threading.Event, stall_s: float = STALL_S) -> None:
+        """Wait until `ev` is set (a request ended); raise when the engine thread dies meanwhile, or when
+        nothing ends for `stall_s` (a step hung inside vLLM), instead of waiting for ever."""
+        self.poll(lambda t: ev.wait(t) or None, stall_s)
+
+    def poll(self, get: Callable[[float], Any], stall_s: float = STALL_S) -> Any:
+        """`get(timeout)` until it returns something other than None (or raises queue.Empty meaning none
+        yet), checking the engine's health every POLL_S; TimeoutError after `stall_s` without a result."""
+        deadline = time.monotonic() + stall_s
+        while True:
+            try:
+                got = get(POLL_S)
+            except queue.Empty:
+                got = None
+            if got is not None:
+                return got
+            why = self.health()
+            if why is not None:
+                raise RuntimeError(why)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no output from the engine for {stall_s:g} s")
 
     def submit(self, req_id: str, prompt: Any, params: Any, sink: Callable[[Delta | BaseException], None]) -> None:
         if self.fatal is not None:
