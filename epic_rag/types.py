@@ -67,6 +67,9 @@ class Sampling(TypedDict, total=False):
     frequency_penalty: float
     repetition_penalty: float
     logprobs: int  # 0-20: Generation.logprobs gets the chosen token's logprob and this many alternatives
+    # OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}: the answer
+    # is decoded under vLLM's structured outputs (a JSON grammar), so it parses.
+    response_format: dict[str, Any]
 
 
 @dataclass(slots=True)

@@ -90,12 +90,21 @@ def request_inputs(
     **options: Any,
 ) -> tuple[Any, Any]:
     """(prompt, params) for LLMEngine.add_request: streamed as deltas, epic params in kv_transfer_params.
-    `options`: further SamplingParams fields (top_p, top_k, min_p, penalties, logprobs), already checked."""
+    `options`: further SamplingParams fields (top_p, top_k, min_p, penalties, logprobs), already checked, and
+    `response_format` (epic_rag.sampling.check_response_format), made vLLM's structured outputs here."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     extra = {"kv_transfer_params": kv_params} if kv_params else None
+    fmt = options.pop("response_format", None)
+    if fmt is not None:  # grammar-constrained decoding (vLLM's default backend, xgrammar, runs on CPU too)
+        so = (
+            StructuredOutputsParams(json=fmt["json_schema"]["schema"])
+            if fmt["type"] == "json_schema"
+            else StructuredOutputsParams(json_object=True)
+        )
+        options["structured_outputs"] = so
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,

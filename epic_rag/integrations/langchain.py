@@ -25,7 +25,8 @@ naming it, never dropped.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from operator import itemgetter
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
@@ -41,9 +42,18 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from langchain_core.runnables import (
+    Runnable,
+    RunnableConfig,
+    RunnableMap,
+    RunnablePassthrough,
+    RunnableSerializable,
+)
 from langchain_core.runnables.config import patch_config, run_in_executor
+from langchain_core.utils.function_calling import convert_to_json_schema
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from ..config import EngineConfig
@@ -92,6 +102,16 @@ def _role(m: BaseMessage) -> str:
     if isinstance(m, ChatMessage):
         return {"human": "user", "ai": "assistant", "developer": "system"}.get(m.role, m.role)
     raise ValueError(f"unsupported message type {type(m).__name__}")
+
+
+def _response_format(schema: Any, method: str) -> dict[str, Any]:
+    """OpenAI's response_format for a with_structured_output schema (pydantic class, TypedDict, JSON schema)."""
+    if method == "json_mode":
+        return {"type": "json_object"}
+    if schema is None:
+        raise ValueError("method='json_schema' needs a schema")
+    js = convert_to_json_schema(schema)
+    return {"type": "json_schema", "json_schema": {"name": js.get("title", "output"), "schema": js}}
 
 
 # Per-call keywords ChatEpic takes besides the sampling options (`stream` is LangChain's own switch).
@@ -213,6 +233,41 @@ class ChatEpic(BaseChatModel):
         if stop:
             params["ls_stop"] = list(stop)
         return params
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable:
+        """The answer decoded under vLLM's structured outputs and parsed: a pydantic instance for a pydantic
+        class, else a dict. `json_schema` (default) constrains decoding to the schema; `json_mode` to any JSON
+        object (the prompt should ask for the keys). There is no tool calling: `function_calling` is taken as
+        `json_schema` (same parsed result).
+        `include_raw=True` returns {"raw": AIMessage, "parsed": ..., "parsing_error": ...} as ChatOpenAI."""
+        if kwargs:
+            raise ValueError(f"ChatEpic.with_structured_output: unsupported arguments {sorted(kwargs)}")
+        if method == "function_calling":  # no tool calling: the schema-constrained answer parses the same way
+            method = "json_schema"
+        if method not in ("json_schema", "json_mode"):
+            raise ValueError(
+                f"ChatEpic.with_structured_output: method must be 'json_schema' or 'json_mode', got {method!r}"
+            )
+        # `strict` is accepted for ChatOpenAI's signature: the grammar already enforces the schema.
+        llm = self.bind(
+            response_format=_response_format(schema, method),
+            ls_structured_output_format={"kwargs": {"method": method, "strict": strict}, "schema": schema},
+        )
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        parser: Runnable = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
 
     # ------------------------------------------------------------------ requests
     def _gen_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:

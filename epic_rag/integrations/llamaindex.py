@@ -227,6 +227,32 @@ class EpicLLM(CustomLLM):
         req = self._chat_request(messages)
         return _astream(self.engine.astream_events(req, **self._sampling(kwargs)), _as_chat)
 
+    # Structured prediction: LlamaIndex's default program for a non-function-calling LLM prompts with the
+    # schema and parses the completion (PydanticOutputParser); the engine also constrains decoding to the
+    # output class's JSON schema (vLLM structured outputs), so a small model's answer parses.
+    @staticmethod
+    def _json_kwargs(output_cls: type, llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": output_cls.__name__, "schema": output_cls.model_json_schema()},
+        }
+        return {"response_format": fmt, **(llm_kwargs or {})}  # a caller's own response_format wins
+
+    def structured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args: Any):
+        return super().structured_predict(output_cls, prompt, self._json_kwargs(output_cls, llm_kwargs), **prompt_args)
+
+    async def astructured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args: Any):
+        kw = self._json_kwargs(output_cls, llm_kwargs)
+        return await super().astructured_predict(output_cls, prompt, kw, **prompt_args)
+
+    def stream_structured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args: Any):
+        kw = self._json_kwargs(output_cls, llm_kwargs)
+        return super().stream_structured_predict(output_cls, prompt, kw, **prompt_args)
+
+    async def astream_structured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args: Any):
+        kw = self._json_kwargs(output_cls, llm_kwargs)
+        return await super().astream_structured_predict(output_cls, prompt, kw, **prompt_args)
+
 
 # Engine stream events -> LlamaIndex responses carrying the text so far (sync and async share the steps).
 def _pieces():
