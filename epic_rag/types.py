@@ -39,6 +39,9 @@ class RagRequest:
     question: str
     chunks: list[str | ChunkRef] = field(default_factory=list)
     system: str | None = None
+    # The user message, with a `{context}` and a `{question}` slot (each once; other braces are text).
+    # `{context}` becomes the chunks as "Document i:\n<chunk>\n\n". None: prompt.DEFAULT_TEMPLATE.
+    template: str | None = None
 
 
 @dataclass(slots=True)
