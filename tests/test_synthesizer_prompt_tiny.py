@@ -77,3 +77,8 @@ def test_a_first_chunk_longer_than_the_window_is_cut_to_fit(synth, tiny_engine, 
     synth.get_response("which chunk?", [huge, "a second chunk"])
     (kept,) = seen[-1].chunks
     assert huge.startswith(kept.strip()[:100]) and len(kept) < len(huge)
+
+
+def test_packing_does_not_hide_a_bad_chunk_behind_dropping_it(synth):
+    with pytest.raises(ValueError, match="surrogate"):
+        synth.get_response("which chunk?", ["fine text", "bad \ud800 text"])

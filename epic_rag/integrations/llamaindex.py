@@ -519,8 +519,10 @@ class EpicSynthesizer(BaseSynthesizer):
         def size(chunks: list[str]) -> int | None:
             try:
                 return len(engine.prepare(RagRequest(req.question, chunks, req.system, req.template)).token_ids)
-            except ValueError:  # over the window (or else bad: the real call reports it)
-                return None
+            except ValueError as e:  # over the window; any other bad input is the caller's error, raised
+                if "context window" in str(e):  # the prompt, or one chunk on its own, is too long
+                    return None
+                raise
 
         def fits(n: int) -> bool:
             got = size(req.chunks[:n])
