@@ -5,6 +5,8 @@ Public API (stable across releases), used through the functions below:
   `TokensPrompt` (request_inputs); `LLMEngine.add_request / step / abort_request /
   has_unfinished_requests` (runtime.py, on the object new_llm_engine returns).
 - `KVConnectorBase_V1` and `KVConnectorMetadata` (connector.py subclasses them; hooks documented there).
+- `StructuredOutputsParams` (request_inputs: response_format) and `vllm.exceptions.VLLMValidationError`
+  (refused_request_error: a request vLLM refuses when added).
 
 Internals (read from vLLM 0.32.0's source; nothing guarantees them):
 - decoder layers are called `layer(positions, hidden_states, residual) -> (hidden_states, residual)`
@@ -115,6 +117,14 @@ def request_inputs(
         **options,
     )
     return TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=salt), params
+
+
+def refused_request_error() -> type[Exception]:
+    """vLLM's error for a request it refuses when added (e.g. a JSON schema neither xgrammar nor guidance
+    compiles); not a ValueError, so the engine re-raises it as one (bad input)."""
+    from vllm.exceptions import VLLMValidationError
+
+    return VLLMValidationError
 
 
 def token_logprobs(step_logprobs, token_ids: list[int], decode) -> list[dict] | None:
