@@ -23,6 +23,19 @@ from .matching import ChunkTextIndex
 from .types import Chunk, ChunkRef, PlacedChunk, RagRequest, Segment
 
 DEFAULT_INSTRUCTION = "Read the documents and answer the question briefly.\n\n"
+# RagRequest's default user message. Chunks are compiled behind its lead (compile_lead), so it must not change.
+DEFAULT_TEMPLATE = DEFAULT_INSTRUCTION + "{context}Question: {question}"
+_SLOT = re.compile(r"(\{context\}|\{question\})")
+
+
+def check_template(template: object) -> str:
+    """A RagRequest template: a string holding `{context}` and `{question}` once each."""
+    if not isinstance(template, str):
+        raise ValueError(f"template must be a string, got {type(template).__name__}")
+    for slot in ("{context}", "{question}"):
+        if template.count(slot) != 1:
+            raise ValueError(f"template must contain {slot} exactly once, got {template.count(slot)}")
+    return template
 
 
 class UserText(str):
@@ -69,10 +82,18 @@ def render_request(tokenizer, req: RagRequest) -> list[Segment]:
             "prompt string or a list of segments (see EpicEngine.render_messages)"
         )
     marks = _Marks()
-    body = DEFAULT_INSTRUCTION
-    for i, c in enumerate(req.chunks):
-        body += f"Document {i + 1}:\n{marks.add([c if isinstance(c, ChunkRef) else Chunk(c)])}\n\n"
-    body += f"Question: {marks.add([UserText(req.question.strip())])}"
+    # The default template's text is the server's own glue (as before templates existed: same tokens, so the
+    # compile lead matches); a caller's template text is client text, tokenized as plain text (UserText).
+    own = req.template is None or req.template == DEFAULT_TEMPLATE
+    body = ""
+    for piece in _SLOT.split(DEFAULT_TEMPLATE if own else check_template(req.template)):
+        if piece == "{context}":
+            for i, c in enumerate(req.chunks):
+                body += f"Document {i + 1}:\n{marks.add([c if isinstance(c, ChunkRef) else Chunk(c)])}\n\n"
+        elif piece == "{question}":
+            body += marks.add([UserText(req.question.strip())])
+        elif piece:
+            body += piece if own else marks.add([UserText(piece)])
     system = [{"role": "system", "content": marks.add([UserText(req.system)])}] if req.system else []
     text = tokenizer.apply_chat_template(
         system + [{"role": "user", "content": body}], tokenize=False, add_generation_prompt=True

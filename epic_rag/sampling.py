@@ -26,6 +26,7 @@ SAMPLING_OPTIONS = (
     "frequency_penalty",
     "repetition_penalty",
     "logprobs",
+    "response_format",
 )
 
 
@@ -39,6 +40,26 @@ def _integer(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise ValueError(f"{name} must be an integer, got {v!r}")
     return v
+
+
+def check_response_format(v: Any) -> dict[str, Any] | None:
+    """OpenAI's `response_format`: {"type": "text"} (None: unconstrained), {"type": "json_object"} (any JSON
+    object) or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}; vLLM
+    constrains decoding to it (its structured outputs, request_inputs)."""
+    if not isinstance(v, Mapping) or not isinstance(v.get("type"), str):
+        raise ValueError(f"response_format must be a dict with a 'type', got {v!r}")
+    kind = v["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+        return {"type": "json_schema", "json_schema": {**spec, "schema": dict(schema)}}
+    raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
 def check_sampling_options(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -72,5 +93,9 @@ def check_sampling_options(options: Mapping[str, Any]) -> dict[str, Any]:
         elif name == "logprobs":
             if not 0 <= _integer(name, v) <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs (top alternatives per token) must be in [0, {MAX_LOGPROBS}], got {v!r}")
+        elif name == "response_format":
+            v = check_response_format(v)
+            if v is None:
+                continue
         out[name] = v
     return out

@@ -39,6 +39,9 @@ class RagRequest:
     question: str
     chunks: list[str | ChunkRef] = field(default_factory=list)
     system: str | None = None
+    # The user message, with a `{context}` and a `{question}` slot (each once; other braces are text).
+    # `{context}` becomes the chunks as "Document i:\n<chunk>\n\n". None: prompt.DEFAULT_TEMPLATE.
+    template: str | None = None
 
 
 @dataclass(slots=True)
@@ -67,6 +70,9 @@ class Sampling(TypedDict, total=False):
     frequency_penalty: float
     repetition_penalty: float
     logprobs: int  # 0-20: Generation.logprobs gets the chosen token's logprob and this many alternatives
+    # OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}: the answer
+    # is decoded under vLLM's structured outputs (a JSON grammar), so it parses.
+    response_format: dict[str, Any]
 
 
 @dataclass(slots=True)

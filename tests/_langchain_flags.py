@@ -18,11 +18,15 @@ class ChatEpicFlags:
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True  # vLLM structured outputs (JSON-schema grammar), see ChatEpic.with_structured_output
+
+    @property
+    def structured_output_kwargs(self) -> dict:
+        return {"method": "json_schema"}
 
     @property
     def supports_json_mode(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_image_inputs(self) -> bool:

@@ -9,6 +9,7 @@ import time
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from apps.demo.config import DemoConfig
@@ -353,3 +354,32 @@ def test_openai_client_unsupported_fields_are_bad_requests_naming_them(client):
         )
     with pytest.raises(openai.BadRequestError, match="n"):
         client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "hi"}], n=2)
+
+
+def test_openai_client_response_format_json_schema_answer_parses_and_still_links(client):
+    schema = {
+        "type": "object",
+        "properties": {"passcode": {"type": "integer"}},
+        "required": ["passcode"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        max_tokens=32,
+        messages=[{"role": "user", "content": QUESTION}],
+        response_format={"type": "json_schema", "json_schema": {"name": "Passcode", "schema": schema}},
+    )
+    got = json.loads(r.choices[0].message.content)
+    assert set(got) == {"passcode"} and isinstance(got["passcode"], int)
+    assert r.model_extra["epic"]["chunk_hits"] > 0  # retrieved chunks linked under the grammar too
+    parsed = client.chat.completions.parse(  # the client's own pydantic path
+        model="smollm2-135m-instruct",
+        max_tokens=32,
+        messages=[{"role": "user", "content": QUESTION}],
+        response_format=_Passcode,
+    )
+    assert isinstance(parsed.choices[0].message.parsed, _Passcode)
+
+
+class _Passcode(pydantic.BaseModel):
+    passcode: int

@@ -570,7 +570,6 @@ def test_chat_sampling_fields_reach_the_engine(demo):
     [
         ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         ("tool_choice", "required"),
-        ("response_format", {"type": "json_object"}),
         ("logit_bias", {"50256": -100}),
         ("best_of", 3),
         ("temprature", 0.2),  # a misspelt field is not silently ignored either
@@ -581,6 +580,29 @@ def test_unsupported_chat_fields_are_a_400_naming_them(demo, field, value):
     before = len(engine.requests)
     r = _chat(client, **{field: value})
     assert r.status_code == 400 and repr(field) in r.json()["error"]["message"], r.text
+    assert len(engine.requests) == before
+
+
+def test_response_format_json_schema_and_json_object_reach_the_engine_and_text_means_unconstrained(demo):
+    _, client, engine, _, _ = demo
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "A", "schema": schema}}
+    assert _chat(client, response_format=fmt).status_code == 200
+    assert engine.requests[-1]["options"]["response_format"] == fmt
+    assert _chat(client, response_format={"type": "json_object"}).status_code == 200
+    assert engine.requests[-1]["options"]["response_format"] == {"type": "json_object"}
+    assert _chat(client, response_format={"type": "text"}).status_code == 200
+    assert "response_format" not in engine.requests[-1]["options"]
+
+
+@pytest.mark.parametrize(
+    "fmt", [{"type": "json_schema", "json_schema": {"name": "A"}}, {"type": "regex"}, "json"], ids=str
+)
+def test_response_format_without_a_schema_or_of_an_unknown_type_is_a_400(demo, fmt):
+    _, client, engine, _, _ = demo
+    before = len(engine.requests)
+    r = _chat(client, response_format=fmt)
+    assert r.status_code == 400 and "response_format" in r.json()["error"]["message"], r.text
     assert len(engine.requests) == before
 
 

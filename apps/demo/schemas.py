@@ -2,10 +2,11 @@
 
 A field the server does not act on is a 400 naming it (never silently ignored), except the few that do not
 change an answer (`user`, `metadata`, `store`, ...) and unsupported ones left at their off value
-(`tools: []`, `n: 1`, `response_format: {"type": "text"}`, ...). The demo's own fields (policy, top_k,
-chunk_ids, use_retrieval) and vLLM's sampling extensions (min_p, repetition_penalty, and `sampling_top_k`,
-since `top_k` here is the number of retrieved chunks) travel in the body the way the OpenAI client's
-`extra_body` sends them. Limits that depend on the server's configuration are checked in the route.
+(`tools: []`, `n: 1`, ...). `response_format` (json_object, json_schema) constrains decoding. The demo's
+own fields (policy, top_k, chunk_ids, use_retrieval) and vLLM's sampling extensions (min_p,
+repetition_penalty, and `sampling_top_k`, since `top_k` here is the number of retrieved chunks) travel in
+the body the way the OpenAI client's `extra_body` sends them. Limits that depend on the server's
+configuration are checked in the route.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from epic_rag.sampling import check_response_format
 
 # Every list and the strings vLLM matches per token are bounded here, before any work (OpenAI: <= 4 stops).
 MAX_STOPS, MAX_STOP_CHARS = 4, 64
@@ -81,6 +84,8 @@ class _Generate(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     sampling_top_k: StrictInt | None = Field(default=None, ge=-1)
+    # OpenAI's {"type": "json_object" | "json_schema" | "text"}: decoding constrained by vLLM's structured outputs
+    response_format: dict[str, Any] | None = None
     # epic-rag extension
     policy: StrictStr | None = None
 
@@ -93,6 +98,11 @@ class _Generate(BaseModel):
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"each stop sequence has at most {MAX_STOP_CHARS} characters")
         return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format_is_known(cls, v):
+        return None if v is None else check_response_format(v)  # {"type": "text"}: None (unconstrained)
 
     @model_validator(mode="after")
     def _no_unsupported_fields(self):
@@ -135,6 +145,7 @@ class _Generate(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "logprobs": self.engine_logprobs(),
+            "response_format": self.response_format,
         }
         return {k: v for k, v in opts.items() if v is not None}
 

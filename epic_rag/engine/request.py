@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..types import Delta, Generation, PreparedRequest
+from . import vllm_api
 from .board import BOARD, LinkJob
 from .runtime import Runtime
 
@@ -45,6 +46,8 @@ class RequestRun:
         """Take one delta from the runtime: yields it when it carries text, then the Generation when the
         request finished. Raises the engine's error, or a link failure before any token of a wrongly
         linked answer is passed on."""
+        if isinstance(d, vllm_api.refused_request_error()):  # bad input (e.g. a schema no grammar takes)
+            raise ValueError(f"vLLM refused the request: {d}") from d
         if isinstance(d, BaseException):
             raise d
         if d.token_ids and self.t_first is None:

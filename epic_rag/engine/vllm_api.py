@@ -5,6 +5,8 @@ Public API (stable across releases), used through the functions below:
   `TokensPrompt` (request_inputs); `LLMEngine.add_request / step / abort_request /
   has_unfinished_requests` (runtime.py, on the object new_llm_engine returns).
 - `KVConnectorBase_V1` and `KVConnectorMetadata` (connector.py subclasses them; hooks documented there).
+- `StructuredOutputsParams` (request_inputs: response_format) and `vllm.exceptions.VLLMValidationError`
+  (refused_request_error: a request vLLM refuses when added).
 
 Internals (read from vLLM 0.32.0's source; nothing guarantees them):
 - decoder layers are called `layer(positions, hidden_states, residual) -> (hidden_states, residual)`
@@ -90,12 +92,21 @@ def request_inputs(
     **options: Any,
 ) -> tuple[Any, Any]:
     """(prompt, params) for LLMEngine.add_request: streamed as deltas, epic params in kv_transfer_params.
-    `options`: further SamplingParams fields (top_p, top_k, min_p, penalties, logprobs), already checked."""
+    `options`: further SamplingParams fields (top_p, top_k, min_p, penalties, logprobs), already checked, and
+    `response_format` (epic_rag.sampling.check_response_format), made vLLM's structured outputs here."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     extra = {"kv_transfer_params": kv_params} if kv_params else None
+    fmt = options.pop("response_format", None)
+    if fmt is not None:  # grammar-constrained decoding (vLLM's default backend, xgrammar, runs on CPU too)
+        so = (
+            StructuredOutputsParams(json=fmt["json_schema"]["schema"])
+            if fmt["type"] == "json_schema"
+            else StructuredOutputsParams(json_object=True)
+        )
+        options["structured_outputs"] = so
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -106,6 +117,14 @@ def request_inputs(
         **options,
     )
     return TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=salt), params
+
+
+def refused_request_error() -> type[Exception]:
+    """vLLM's error for a request it refuses when added (e.g. a JSON schema neither xgrammar nor guidance
+    compiles); not a ValueError, so the engine re-raises it as one (bad input)."""
+    from vllm.exceptions import VLLMValidationError
+
+    return VLLMValidationError
 
 
 def token_logprobs(step_logprobs, token_ids: list[int], decode) -> list[dict] | None:

@@ -25,7 +25,8 @@ naming it, never dropped.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from operator import itemgetter
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
@@ -41,12 +42,22 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from langchain_core.runnables import (
+    Runnable,
+    RunnableConfig,
+    RunnableMap,
+    RunnablePassthrough,
+    RunnableSerializable,
+)
 from langchain_core.runnables.config import patch_config, run_in_executor
+from langchain_core.utils.function_calling import convert_to_json_schema
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from ..config import EngineConfig
+from ..prompt import check_template
 from ..types import ChunkRef, Delta, Generation, RagRequest
 from ._shared import (
     adopt_engine,
@@ -94,8 +105,19 @@ def _role(m: BaseMessage) -> str:
     raise ValueError(f"unsupported message type {type(m).__name__}")
 
 
-# Per-call keywords ChatEpic takes besides the sampling options (`stream` is LangChain's own switch).
-_CALL_KEYWORDS = ("chunks", "model", "stream")
+def _response_format(schema: Any, method: str) -> dict[str, Any]:
+    """OpenAI's response_format for a with_structured_output schema (pydantic class, TypedDict, JSON schema)."""
+    if method == "json_mode":
+        return {"type": "json_object"}
+    if schema is None:
+        raise ValueError("method='json_schema' needs a schema")
+    js = convert_to_json_schema(schema)
+    return {"type": "json_schema", "json_schema": {"name": js.get("title", "output"), "schema": js}}
+
+
+# Per-call keywords ChatEpic takes besides the sampling options (`stream` is LangChain's own switch;
+# `template`: with chunks=, the RagRequest template with {context} and {question} slots).
+_CALL_KEYWORDS = ("chunks", "model", "stream", "template")
 
 
 def _chunk(c: Any) -> str | ChunkRef:
@@ -214,6 +236,41 @@ class ChatEpic(BaseChatModel):
             params["ls_stop"] = list(stop)
         return params
 
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable:
+        """The answer decoded under vLLM's structured outputs and parsed: a pydantic instance for a pydantic
+        class, else a dict. `json_schema` (default) constrains decoding to the schema; `json_mode` to any JSON
+        object (the prompt should ask for the keys). There is no tool calling: `function_calling` is taken as
+        `json_schema` (same parsed result).
+        `include_raw=True` returns {"raw": AIMessage, "parsed": ..., "parsing_error": ...} as ChatOpenAI."""
+        if kwargs:
+            raise ValueError(f"ChatEpic.with_structured_output: unsupported arguments {sorted(kwargs)}")
+        if method == "function_calling":  # no tool calling: the schema-constrained answer parses the same way
+            method = "json_schema"
+        if method not in ("json_schema", "json_mode"):
+            raise ValueError(
+                f"ChatEpic.with_structured_output: method must be 'json_schema' or 'json_mode', got {method!r}"
+            )
+        # `strict` is accepted for ChatOpenAI's signature: the grammar already enforces the schema.
+        llm = self.bind(
+            response_format=_response_format(schema, method),
+            ls_structured_output_format={"kwargs": {"method": method, "strict": strict}, "schema": schema},
+        )
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        parser: Runnable = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
+
     # ------------------------------------------------------------------ requests
     def _gen_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         model = kwargs.get("model")
@@ -234,7 +291,10 @@ class ChatEpic(BaseChatModel):
                 question=_text(rest[0].content, "user"),
                 chunks=[_chunk(c) for c in chunks],
                 system="\n\n".join(system) or None,
+                template=kwargs.get("template"),
             )
+        if kwargs.get("template") is not None:
+            raise ValueError("template= applies to a request with chunks=; without them, format your own messages")
         if not messages:
             raise ValueError("no messages")
         dicts = [{"role": _role(m), "content": _text(m.content, _role(m))} for m in messages]
@@ -359,18 +419,53 @@ def _question(value: Any) -> str:
     return q
 
 
-class EpicRagChain(RunnableSerializable[Any, AIMessage]):
+def _template_of(prompt: Any) -> str | None:
+    """A chain prompt as a RagRequest template: a string or a PromptTemplate with `{context}` and
+    `{question}` (or `{input}`, as create_retrieval_chain prompts name it) slots."""
+    if prompt is None:
+        return None
+    text = getattr(prompt, "template", prompt)
+    if not isinstance(text, str):
+        raise ValueError(
+            "prompt must be a string or a PromptTemplate with {context} and {question} (or {input}) slots; "
+            "for a chat prompt, give its user message as a string (and system= for the system message)"
+        )
+    return check_template(text.replace("{input}", "{question}") if "{question}" not in text else text)
+
+
+class EpicRagChain(RunnableSerializable[Any, Any]):
     """question -> retriever -> ChatEpic with the retrieved Documents as chunks (a RagRequest).
 
     Input: a question string, or a dict with "question" (or "input"/"query"). Output: an AIMessage
-    (AIMessageChunks when streaming) whose response_metadata also lists the retrieved `documents`.
+    (AIMessageChunks when streaming) whose response_metadata also lists the retrieved `documents`; or, with
+    `output="dict"`, create_retrieval_chain's shape: the input (a string as "input") plus "context" (the
+    Documents) and "answer" (the text); streamed as {"input"...}, {"context": docs}, then {"answer": delta}s.
+    `prompt`: the user message template (see _template_of); default: the engine's own prompt.
     """
 
     retriever: Any
     llm: ChatEpic
     system: str | None = None
+    prompt: str | None = None
+    output: Literal["message", "dict"] = "message"
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_is_a_template(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("prompt") is not None:
+            values = {**values, "prompt": _template_of(values["prompt"])}
+        return values
+
+    def _call_kwargs(self, docs: list[Document], kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {"chunks": docs, **({"template": self.prompt} if self.prompt else {}), **kwargs}
+
+    def _shaped(self, value: Any, docs: list[Document], msg: Any) -> Any:
+        if self.output == "message":
+            return self._with_docs(msg, docs)
+        head = dict(value) if isinstance(value, dict) else {"input": _question(value)}
+        return {**head, "context": docs, "answer": msg.content}
 
     def _messages(self, q: str) -> list[BaseMessage]:
         return ([SystemMessage(self.system)] if self.system else []) + [HumanMessage(q)]
@@ -391,45 +486,58 @@ class EpicRagChain(RunnableSerializable[Any, AIMessage]):
         q = _question(value)
         child = patch_config(config, callbacks=run_manager.get_child())
         docs = self._docs(self.retriever.invoke(q, child))
-        msg = self.llm.invoke(self._messages(q), child, chunks=docs, **kwargs)
-        return self._with_docs(msg, docs)
+        msg = self.llm.invoke(self._messages(q), child, **self._call_kwargs(docs, kwargs))
+        return self._shaped(value, docs, msg)
 
     async def _ainvoke(self, value: Any, run_manager, config: RunnableConfig, **kwargs: Any) -> AIMessage:
         q = _question(value)
         child = patch_config(config, callbacks=run_manager.get_child())
         docs = self._docs(await self.retriever.ainvoke(q, child))
-        msg = await self.llm.ainvoke(self._messages(q), child, chunks=docs, **kwargs)
-        return self._with_docs(msg, docs)
+        msg = await self.llm.ainvoke(self._messages(q), child, **self._call_kwargs(docs, kwargs))
+        return self._shaped(value, docs, msg)
 
-    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> AIMessage:
+    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         return self._call_with_config(self._invoke, input, config, **kwargs)
 
-    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> AIMessage:
+    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         return await self._acall_with_config(self._ainvoke, input, config, **kwargs)
 
-    def _transform(
-        self, values: Iterator[Any], run_manager, config: RunnableConfig, **kwargs: Any
-    ) -> Iterator[AIMessageChunk]:
+    def _head(self, value: Any, docs: list[Document]) -> list[dict]:
+        """What a dict stream yields before the answer: the input, then the Documents."""
+        if self.output == "message":
+            return []
+        return [dict(value) if isinstance(value, dict) else {"input": _question(value)}, {"context": docs}]
+
+    def _piece(self, chunk: Any, docs: list[Document]) -> list[Any]:
+        if self.output == "message":
+            return [self._with_docs(chunk, docs) if chunk.chunk_position == "last" else chunk]
+        return [{"answer": chunk.content}] if chunk.content else []
+
+    def _transform(self, values: Iterator[Any], run_manager, config: RunnableConfig, **kwargs: Any) -> Iterator[Any]:
         value = None
         for value in values:  # noqa: B007 - the last input is the question
             pass
         q = _question(value)
         child = patch_config(config, callbacks=run_manager.get_child())
         docs = self._docs(self.retriever.invoke(q, child))
-        for chunk in self.llm.stream(self._messages(q), child, chunks=docs, **kwargs):
-            yield self._with_docs(chunk, docs) if chunk.chunk_position == "last" else chunk
+        yield from self._head(value, docs)
+        for chunk in self.llm.stream(self._messages(q), child, **self._call_kwargs(docs, kwargs)):
+            yield from self._piece(chunk, docs)
 
     async def _atransform(
         self, values: AsyncIterator[Any], run_manager, config: RunnableConfig, **kwargs: Any
-    ) -> AsyncIterator[AIMessageChunk]:
+    ) -> AsyncIterator[Any]:
         value = None
         async for value in values:  # noqa: B007 - the last input is the question
             pass
         q = _question(value)
         child = patch_config(config, callbacks=run_manager.get_child())
         docs = self._docs(await self.retriever.ainvoke(q, child))
-        async for chunk in self.llm.astream(self._messages(q), child, chunks=docs, **kwargs):
-            yield self._with_docs(chunk, docs) if chunk.chunk_position == "last" else chunk
+        for head in self._head(value, docs):
+            yield head
+        async for chunk in self.llm.astream(self._messages(q), child, **self._call_kwargs(docs, kwargs)):
+            for piece in self._piece(chunk, docs):
+                yield piece
 
     def transform(
         self, input: Iterator[Any], config: RunnableConfig | None = None, **kwargs: Any
@@ -523,12 +631,17 @@ def create_epic_rag_chain(
     max_tokens: int = 256,
     temperature: float = 0.0,
     policy: str | None = None,
+    prompt: Any = None,
+    output: Literal["message", "dict"] = "message",
 ) -> EpicRagChain:
     """A Runnable answering a question from what `retriever` returns, the Documents linked as chunks.
 
     `retriever`: any Runnable from a question string to a list of Documents (e.g. a vector store's
     `.as_retriever()`). Give `llm` to reuse a ChatEpic, else one is made on `engine` (or the shared one).
+    `prompt`: a string or PromptTemplate with `{context}` and `{question}` (or `{input}`) slots; `{context}`
+    becomes the Documents as "Document i:\n<text>\n\n". `output="dict"`: create_retrieval_chain's
+    `{input, context, answer}` instead of an AIMessage.
     """
     if llm is None:
         llm = ChatEpic(engine=engine, max_tokens=max_tokens, temperature=temperature, policy=policy)
-    return EpicRagChain(retriever=retriever, llm=llm, system=system)
+    return EpicRagChain(retriever=retriever, llm=llm, system=system, prompt=prompt, output=output)

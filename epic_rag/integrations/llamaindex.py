@@ -25,6 +25,7 @@ one is an error naming it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any
@@ -49,11 +50,13 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
 from llama_index.core.settings import Settings
 
 from ..config import EngineConfig
+from ..prompt import DEFAULT_TEMPLATE, check_template
 from ..types import Delta, Generation, RagRequest
 from ._shared import (
     adopt_engine,
@@ -226,6 +229,32 @@ class EpicLLM(CustomLLM):
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         req = self._chat_request(messages)
         return _astream(self.engine.astream_events(req, **self._sampling(kwargs)), _as_chat)
+
+    # Structured prediction: LlamaIndex's default program for a non-function-calling LLM prompts with the
+    # schema and parses the completion (PydanticOutputParser); the engine also constrains decoding to the
+    # output class's JSON schema (vLLM structured outputs), so a small model's answer parses.
+    @staticmethod
+    def _json_kwargs(output_cls: type, llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": output_cls.__name__, "schema": output_cls.model_json_schema()},
+        }
+        return {"response_format": fmt, **(llm_kwargs or {})}  # a caller's own response_format wins
+
+    def structured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args: Any):
+        return super().structured_predict(output_cls, prompt, self._json_kwargs(output_cls, llm_kwargs), **prompt_args)
+
+    async def astructured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args: Any):
+        kw = self._json_kwargs(output_cls, llm_kwargs)
+        return await super().astructured_predict(output_cls, prompt, kw, **prompt_args)
+
+    def stream_structured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args: Any):
+        kw = self._json_kwargs(output_cls, llm_kwargs)
+        return super().stream_structured_predict(output_cls, prompt, kw, **prompt_args)
+
+    async def astream_structured_predict(self, output_cls, prompt, llm_kwargs=None, **prompt_args: Any):
+        kw = self._json_kwargs(output_cls, llm_kwargs)
+        return await super().astream_structured_predict(output_cls, prompt, kw, **prompt_args)
 
 
 # Engine stream events -> LlamaIndex responses carrying the text so far (sync and async share the steps).
@@ -401,6 +430,27 @@ class _Stats:
         return response
 
 
+log = logging.getLogger(__name__)
+
+# EpicSynthesizer's default text_qa_template: the engine's default RagRequest prompt in LlamaIndex's slot names.
+DEFAULT_TEXT_QA_TEMPLATE = PromptTemplate(
+    DEFAULT_TEMPLATE.replace("{context}", "{context_str}").replace("{question}", "{query_str}")
+)
+
+
+def _rag_template(prompt: BasePromptTemplate) -> str | None:
+    """A LlamaIndex text_qa_template as a RagRequest template (None: the engine's default). Its
+    `{context_str}` gets the chunks, `{query_str}` the question; partially formatted variables are filled."""
+    tmpl = prompt.get_template() if isinstance(prompt, BasePromptTemplate) else None
+    if not isinstance(tmpl, str):
+        raise ValueError("text_qa_template must be a LlamaIndex text prompt template")
+    for name, value in (getattr(prompt, "kwargs", None) or {}).items():
+        if name not in ("context_str", "query_str"):
+            tmpl = tmpl.replace("{" + name + "}", str(value))
+    tmpl = check_template(tmpl.replace("{context_str}", "{context}").replace("{query_str}", "{question}"))
+    return None if tmpl == DEFAULT_TEMPLATE else tmpl
+
+
 class EpicSynthesizer(BaseSynthesizer):
     """Answers from the retrieved nodes given to the engine as chunks (RagRequest), no prompt matching.
 
@@ -419,6 +469,7 @@ class EpicSynthesizer(BaseSynthesizer):
         max_tokens: int | None = None,
         temperature: float | None = None,
         policy: str | None = None,
+        text_qa_template: BasePromptTemplate | None = None,
     ) -> None:
         if llm is None:
             current = Settings._llm  # not Settings.llm: that resolves (and may build) a default LLM
@@ -428,6 +479,10 @@ class EpicSynthesizer(BaseSynthesizer):
         super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming)
         self._epic: EpicLLM = llm
         self._system = system
+        self._qa_prompt: BasePromptTemplate = DEFAULT_TEXT_QA_TEMPLATE
+        self._template: str | None = None
+        if text_qa_template is not None:
+            self._update_prompts({"text_qa_template": text_qa_template})
         self._overrides = {
             k: v
             for k, v in (("max_tokens", max_tokens), ("temperature", temperature), ("policy", policy))
@@ -435,24 +490,66 @@ class EpicSynthesizer(BaseSynthesizer):
         }
 
     def _get_prompts(self) -> dict[str, Any]:
-        return {}
+        return {"text_qa_template": self._qa_prompt}
 
     def _update_prompts(self, prompts: dict[str, Any]) -> None:
-        pass
+        if "text_qa_template" in prompts:
+            prompt = prompts["text_qa_template"]
+            self._template = _rag_template(prompt)  # a template without both slots fails here
+            self._qa_prompt = prompt
 
-    def _request(self, query_str: str, text_chunks: Sequence[str]):
+    def _request(self, query_str: str, text_chunks: Sequence[str], max_tokens: int):
         chunks = [c.strip() for c in text_chunks if c and c.strip()]
         if not chunks:  # nothing retrieved: a plain chat prompt
             return self._epic.engine.render_messages(
                 ([{"role": "system", "content": self._system}] if self._system else [])
                 + [{"role": "user", "content": query_str}]
             )
-        return RagRequest(question=query_str, chunks=chunks, system=self._system)
+        return self._pack(
+            RagRequest(question=query_str, chunks=chunks, system=self._system, template=self._template), max_tokens
+        )
+
+    def _pack(self, req: RagRequest, max_tokens: int) -> RagRequest:
+        """The request with as many leading chunks (retrieval order: best first) as leave `max_tokens` of the
+        window for the answer, as LlamaIndex's PromptHelper reserves num_output; a first chunk too long on its
+        own is cut to fit. Chunks stay whole otherwise (a cut chunk is a new text, compiled on the fly)."""
+        engine = self._epic.engine
+        window = engine.max_model_len
+
+        def size(chunks: list[str]) -> int | None:
+            try:
+                return len(engine.prepare(RagRequest(req.question, chunks, req.system, req.template)).token_ids)
+            except ValueError as e:  # over the window; any other bad input is the caller's error, raised
+                if "context window" in str(e):  # the prompt, or one chunk on its own, is too long
+                    return None
+                raise
+
+        def fits(n: int) -> bool:
+            got = size(req.chunks[:n])
+            return got is not None and got + max_tokens <= window
+
+        if fits(len(req.chunks)):
+            return req
+        lo, hi = 0, len(req.chunks)  # fits(lo) (or lo == 0), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        if lo == 0:  # the first chunk alone is too long: keep the head of it that fits
+            base = size(["."])
+            tok = engine.tokenizer
+            ids = tok.encode(req.chunks[0], add_special_tokens=False)
+            budget = window - max_tokens - (base or window) - 8  # 8: slack for tokens merging at the cut
+            if budget <= 0:
+                return req  # no room even for a little text: the engine's error says why
+            log.info("EpicSynthesizer: first chunk cut from %d to %d tokens to fit the window", len(ids), budget)
+            return RagRequest(req.question, [tok.decode(ids[:budget])], req.system, req.template)
+        log.info("EpicSynthesizer: %d of %d chunks fit the window", lo, len(req.chunks))
+        return RagRequest(req.question, req.chunks[:lo], req.system, req.template)
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
         stats: _Stats | None = response_kwargs.pop("_epic_stats", None)
         kw = self._epic._sampling({**self._overrides, **response_kwargs})
-        req = self._request(query_str, text_chunks)
+        req = self._request(query_str, text_chunks, kw["max_tokens"])
         engine = self._epic.engine
         if not self._streaming:
             g = engine.generate(req, **kw)
@@ -473,7 +570,7 @@ class EpicSynthesizer(BaseSynthesizer):
     async def aget_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
         stats: _Stats | None = response_kwargs.pop("_epic_stats", None)
         kw = self._epic._sampling({**self._overrides, **response_kwargs})
-        req = self._request(query_str, text_chunks)
+        req = self._request(query_str, text_chunks, kw["max_tokens"])
         engine = self._epic.engine
         if not self._streaming:
             g = await engine.agenerate(req, **kw)
