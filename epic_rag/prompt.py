@@ -121,13 +121,16 @@ def compile_lead(tokenizer, kind: str = "template") -> list[int]:
     in the context it is linked into (the shared-prefix recipe of CacheBlend's and APE's chunk encoders),
     not as the start of a conversation; its first token is the chunk's sink. "sink", or a tokenizer without
     a chat template: the BOS alone (EOS where there is none), EPIC's reference compile."""
-    lead = None
+    ids: list[int] = []
     if kind == "template":
         try:
-            lead = render_request(tokenizer, RagRequest(question="?", chunks=["?"]))[0]
+            segments = render_request(tokenizer, RagRequest(question="?", chunks=["?"]))
         except Exception:  # no chat template: a bare sink token
-            lead = None
-    ids = encode_glue(tokenizer, lead) if isinstance(lead, str) else []
+            segments = []
+        for seg in segments:  # the glue before the first document, tokenized as a prompt's glue is
+            if not isinstance(seg, str):
+                break
+            ids += encode_glue(tokenizer, seg)
     if not ids:
         sink = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         ids = [sink]

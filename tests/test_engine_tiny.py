@@ -62,6 +62,8 @@ def test_compile_lead_is_the_default_prompt_up_to_its_first_document(tiny_engine
     tok = tiny_engine.tokenizer
     lead = encode_glue(tok, render_request(tok, _req(CHUNKS[:1]))[0])
     assert tiny_engine.chunks.lead == compile_lead(tok) == lead
+    prep = tiny_engine.prepare(_req(CHUNKS[:1]), policy="legolink-sink-4")  # exactly what precedes document 1
+    assert prep.chunks[0].start == len(lead) and prep.token_ids[: len(lead)] == lead
     assert lead[0] == tok.bos_token_id and len(lead) > 8
     assert compile_lead(tok, "sink") == [tok.bos_token_id]  # EPIC's reference: the sink alone
 
