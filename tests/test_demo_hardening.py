@@ -387,3 +387,21 @@ def test_an_engine_that_says_nothing_gets_keepalives_then_the_stream_ends_with_a
         state = app.state.demo
         assert _wait_for(lambda: engine.active == 0 and state.admission.running == 0, 5)
         assert engine.aborted == 1 and state.active_chats == 0
+
+
+# ---------------------------------------------------------------------- 9. tests that can fail
+def test_the_soak_memory_check_fails_on_growth_the_memory_tier_does_not_explain():
+    from apps.demo import soak
+
+    mib = 1 << 20
+
+    def load(rss_growth_mib: float, tier_growth_mib: float) -> dict:
+        rss = [(t, int((1000 + (rss_growth_mib if t >= 10 else 0) * t / 20) * mib)) for t in range(21)]
+        probes = [(t, {'epic_rag_store_bytes{tier="memory"}': (t >= 10) * tier_growth_mib * mib}) for t in (0, 5, 20)]
+        return {"records": [], "rss": rss, "probes": probes, "wall_s": 20.0}
+
+    leak = soak.summarize(load(300, 0), warmup_s=5)
+    assert "bound 192 MiB" in soak.memory_problem(leak, 192)
+    explained = soak.summarize(load(300, 250), warmup_s=5)  # chunk KV the tier took on, within its budget
+    assert soak.memory_problem(explained, 192) is None
+    assert "not checked" in soak.memory_problem({}, 192)
