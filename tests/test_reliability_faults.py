@@ -30,7 +30,7 @@ import pytest
 import torch
 from test_demo_unit import HashEncoder
 from test_reliability_inputs import engine_idle
-from test_store import _mount_tmpfs, readonly_dir  # noqa: F401  (fixture)
+from test_store import mount_tmpfs_or_skip, readonly_dir  # noqa: F401  (fixture)
 
 from apps.demo.config import DemoConfig
 from apps.demo.server import BackgroundServer, create_app
@@ -138,7 +138,9 @@ def assert_clean(engine) -> None:
 
 
 # ---------------------------------------------------------------------- Redis
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+@pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="needs the redis-server binary (apt-get install redis-server)"
+)
 def test_redis_stopped_and_restarted_under_load_every_request_is_answered_correctly(
     tiny_engine, references, with_store, tmp_path
 ):
@@ -174,10 +176,7 @@ def test_redis_stopped_and_restarted_under_load_every_request_is_answered_correc
 
 # ---------------------------------------------------------------------- disk: full, read-only, damaged
 def _needs_mount(tmp_path: Path, opts: str) -> Path:
-    d = tmp_path / "mnt"
-    if os.geteuid() != 0 or not _mount_tmpfs(d, opts):
-        pytest.skip("needs root to mount a small tmpfs")
-    return d
+    return mount_tmpfs_or_skip(tmp_path / "mnt", opts)
 
 
 def test_disk_store_that_fills_up_while_serving(tiny_engine, references, with_store, tmp_path, caplog):
