@@ -345,7 +345,7 @@ def test_a_client_that_stops_reading_a_stream_is_dropped_and_frees_its_slot_and_
     import json
     import socket
 
-    engine = LoudEngine(delay=0.001)
+    engine = LoudEngine(delay=0.02)  # still generating (~20 s) when the client is dropped
     with serve(tmp_path, engine=engine, stream_write_timeout_s=1.0) as (server, client, app):
         state = app.state.demo
         host, port = server.url.removeprefix("http://").split(":")
@@ -405,3 +405,30 @@ def test_the_soak_memory_check_fails_on_growth_the_memory_tier_does_not_explain(
     explained = soak.summarize(load(300, 250), warmup_s=5)  # chunk KV the tier took on, within its budget
     assert soak.memory_problem(explained, 192) is None
     assert "not checked" in soak.memory_problem({}, 192)
+
+
+def test_a_stream_the_engine_has_finished_no_longer_pauses_background_compilation(tmp_path):
+    import socket
+
+    engine = LoudEngine(delay=0)
+    with serve(tmp_path, engine=engine) as (server, client, app):  # default 30 s write timeout
+        state = app.state.demo
+        host, port = server.url.removeprefix("http://").split(":")
+        body = json.dumps({"messages": [{"role": "user", "content": "q"}], "max_tokens": 200, "stream": True}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, int(port)))
+        try:
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            assert b"200 OK" in s.recv(512)  # then the client stops reading
+            assert _wait_for(lambda: engine.requests and engine.active == 0, 10)  # the engine's part is done
+            time.sleep(0.3)
+            # before: active_chats stayed 1 (library.busy) until the client had read the last byte
+            assert state.admission.running == 1 and state.active_chats == 0 and not state.library.busy()
+        finally:
+            s.close()
+        assert _wait_for(lambda: state.admission.running == 0, 10)

@@ -290,6 +290,11 @@ class _StreamIdle(Exception):
     pass
 
 
+@dataclasses.dataclass(slots=True)
+class _Raised:
+    error: BaseException
+
+
 async def _paced(events, keepalive_s: float, idle_s: float):
     """The engine's events, with None whenever it has said nothing for `keepalive_s` (the caller sends an SSE
     comment: proxies keep the connection, and a stalled reader meets the write timeout even while the engine
@@ -774,6 +779,26 @@ async def _stream(state: DemoState, engine, body, plan: _Plan):
             m.inflight.dec()
             state.active_chats -= 1
 
+    # The engine's events are taken by a task of their own, not at the client's reading pace: once the engine
+    # is done the stream stops counting as busy (background compilation resumes) however slowly the client
+    # reads. The buffer holds at most one event per generated token plus keep-alives (bounded by max_tokens
+    # and stream_idle_s); a client that stops reading altogether is dropped by the write timeout.
+    buffered: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump() -> None:
+        try:
+            async with contextlib.aclosing(engine.astream_events(plan.req)) as events:
+                async with contextlib.aclosing(_paced(events, cfg.stream_keepalive_s, cfg.stream_idle_s)) as paced:
+                    async for ev in paced:
+                        buffered.put_nowait(ev)
+        except Exception as e:  # handed to the stream, which reports it
+            buffered.put_nowait(_Raised(e))
+        finally:
+            engine_done()
+            buffered.put_nowait(end)
+
+    pumping = asyncio.create_task(pump())
     outcome = "cancelled"
     try:
         # Sources are known before the first token: the page shows citations while the answer streams.
@@ -781,21 +806,19 @@ async def _stream(state: DemoState, engine, body, plan: _Plan):
             yield chunk({"role": "assistant", "content": ""}, epic=_epic(plan, None))
         gen: Generation | None = None
         try:
-            async with contextlib.aclosing(engine.astream_events(plan.req)) as events:
-                async with contextlib.aclosing(_paced(events, cfg.stream_keepalive_s, cfg.stream_idle_s)) as paced:
-                    async for ev in paced:
-                        if ev is None:
-                            yield ": keep-alive\n\n"
-                        elif isinstance(ev, Generation):
-                            gen = ev
-                        elif isinstance(ev, Delta) and ev.text:
-                            yield chunk({"content": ev.text}, logprobs=ev.logprobs)
-                            offset += len(ev.text)
-            engine_done()
+            while (ev := await buffered.get()) is not end:
+                if isinstance(ev, _Raised):
+                    raise ev.error
+                if ev is None:
+                    yield ": keep-alive\n\n"
+                elif isinstance(ev, Generation):
+                    gen = ev
+                elif isinstance(ev, Delta) and ev.text:
+                    yield chunk({"content": ev.text}, logprobs=ev.logprobs)
+                    offset += len(ev.text)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except _StreamIdle as e:
-            engine_done()
             outcome = "error"
             log.warning("streamed generation %s given up: %s", plan.id, e)
             m.errors.labels("timeout").inc()
@@ -812,7 +835,6 @@ async def _stream(state: DemoState, engine, body, plan: _Plan):
             yield "data: [DONE]\n\n"
             return
         except Exception as e:
-            engine_done()
             outcome = "error"
             if not isinstance(e, ValueError):
                 log.exception("streamed generation failed [%s]", plan.id)
@@ -859,6 +881,10 @@ async def _stream(state: DemoState, engine, body, plan: _Plan):
             )
         yield "data: [DONE]\n\n"
     finally:
+        if not pumping.done():  # the client went away first: abort the engine request
+            pumping.cancel()
+        with contextlib.suppress(BaseException):
+            await pumping
         engine_done()
         if outcome != "ok":
             m.chat.labels(m.policy(plan.policy), "true", outcome).inc()
