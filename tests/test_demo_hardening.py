@@ -5,6 +5,7 @@ or serving a drive-by request."""
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 
@@ -275,3 +276,159 @@ def test_prometheus_policy_labels_come_from_a_fixed_set_not_the_clients_string(t
         text = client.get("/metrics").text
         assert "12345" not in text
         assert 'policy="legolink"' in text and 'policy="full"' in text
+
+
+def test_v1_completions_take_the_same_admission_slots_as_chats(tmp_path):
+    import concurrent.futures
+
+    with serve(tmp_path, engine=FakeEngine(delay=0.02), max_inflight=1, max_queued=1) as (server, client, app):
+        body = {"messages": [{"role": "user", "content": "passcode?"}], "max_tokens": 40}  # ~0.8 s each
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = [pool.submit(client.post, "/v1/chat/completions", json=body) for _ in range(2)]
+            time.sleep(0.3)  # one running, one queued
+            over = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+            assert over.status_code == 429 and over.headers["retry-after"] == "1", over.text
+            assert [f.result().status_code for f in first] == [200, 200]
+        assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "stream": True}).status_code == 200
+        adm = app.state.demo.admission
+        assert (adm.running, adm.waiting) == (0, 0)
+
+
+# ---------------------------------------------------------------------- 4. disk budget, stalled and idle streams
+def test_the_demos_default_disk_tier_has_a_byte_budget_and_evicts_least_recently_used(tmp_path):
+    from test_store import make_kv
+
+    from apps.demo.config import open_demo_store
+    from epic_rag.store import DiskStore, codec
+
+    assert "disk:" in DemoConfig(data_dir=tmp_path).store_spec
+    disk = next(t for t in open_demo_store(DemoConfig(data_dir=tmp_path).store_spec).tiers if isinstance(t, DiskStore))
+    assert disk.max_bytes == 20 << 30  # the default budget
+    one = len(codec.encode(make_kv()))
+    store = open_demo_store(DemoConfig(data_dir=tmp_path / "small", disk_max_bytes=int(one * 3.2)).store_spec)
+    disk = next(t for t in store.tiers if isinstance(t, DiskStore))
+    for i in range(3):
+        disk.put(make_kv(f"plain-{i}", seed=i))
+        time.sleep(0.02)
+    assert disk.get("plain-0") is not None  # now the most recently used
+    time.sleep(0.02)
+    disk.put(make_kv("plain-3", seed=3))
+    assert sorted(disk.keys()) == ["plain-0", "plain-3"]
+    assert sum(p.stat().st_size for p in disk.root.iterdir()) <= disk.max_bytes
+    with pytest.raises(ValueError, match="disk_max_bytes"):
+        DemoConfig(data_dir=tmp_path, disk_max_bytes=0)
+
+
+class LoudEngine(FakeEngine):
+    """Streams 64 KiB per token, so a client that stops reading fills the socket buffers at once."""
+
+    async def astream_events(self, prepared):
+        from epic_rag.types import Delta
+
+        async with contextlib.aclosing(super().astream_events(prepared)) as events:
+            async for ev in events:
+                if isinstance(ev, Delta):
+                    ev.text += "x" * 65536
+                yield ev
+
+
+def _wait_for(cond, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def test_a_client_that_stops_reading_a_stream_is_dropped_and_frees_its_slot_and_the_engine(tmp_path):
+    import json
+    import socket
+
+    engine = LoudEngine(delay=0.02)  # still generating (~20 s) when the client is dropped
+    with serve(tmp_path, engine=engine, stream_write_timeout_s=1.0) as (server, client, app):
+        state = app.state.demo
+        host, port = server.url.removeprefix("http://").split(":")
+        body = json.dumps({"messages": [{"role": "user", "content": "q"}], "max_tokens": 1000, "stream": True}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, int(port)))
+        try:
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            assert b"200 OK" in s.recv(512)  # then the client stops reading, connection open
+            assert _wait_for(lambda: engine.active == 1 and state.active_chats == 1, 10)
+            # before: the write waited for ever, holding the slot, the engine request and the busy flag
+            assert _wait_for(lambda: state.admission.running == 0, 10), "slot still held by a stalled reader"
+            assert _wait_for(lambda: engine.active == 0 and state.active_chats == 0, 5)
+            assert engine.aborted == 1 and not state.library.busy()
+            assert 'epic_rag_errors_total{kind="stalled_reader"} 1.0' in client.get("/metrics").text
+        finally:
+            s.close()
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}], "max_tokens": 3})
+        assert r.status_code == 200
+
+
+def test_an_engine_that_says_nothing_gets_keepalives_then_the_stream_ends_with_an_error(tmp_path):
+    engine = FakeEngine(delay=60)  # the first token would take a minute
+    with serve(tmp_path, engine=engine, stream_keepalive_s=0.2, stream_idle_s=1.0) as (server, client, app):
+        body = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 3, "stream": True}
+        t0 = time.monotonic()
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert time.monotonic() - t0 < 10
+        assert lines.count(": keep-alive") >= 3, lines
+        assert lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert "no output from the engine for 1 s" in err["message"] and err["code"] == 504
+        state = app.state.demo
+        assert _wait_for(lambda: engine.active == 0 and state.admission.running == 0, 5)
+        assert engine.aborted == 1 and state.active_chats == 0
+
+
+# ---------------------------------------------------------------------- 9. tests that can fail
+def test_the_soak_memory_check_fails_on_growth_the_memory_tier_does_not_explain():
+    from apps.demo import soak
+
+    mib = 1 << 20
+
+    def load(rss_growth_mib: float, tier_growth_mib: float) -> dict:
+        rss = [(t, int((1000 + (rss_growth_mib if t >= 10 else 0) * t / 20) * mib)) for t in range(21)]
+        probes = [(t, {'epic_rag_store_bytes{tier="memory"}': (t >= 10) * tier_growth_mib * mib}) for t in (0, 5, 20)]
+        return {"records": [], "rss": rss, "probes": probes, "wall_s": 20.0}
+
+    leak = soak.summarize(load(300, 0), warmup_s=5)
+    assert "bound 192 MiB" in soak.memory_problem(leak, 192)
+    explained = soak.summarize(load(300, 250), warmup_s=5)  # chunk KV the tier took on, within its budget
+    assert soak.memory_problem(explained, 192) is None
+    assert "not checked" in soak.memory_problem({}, 192)
+
+
+def test_a_stream_the_engine_has_finished_no_longer_pauses_background_compilation(tmp_path):
+    import socket
+
+    engine = LoudEngine(delay=0)
+    with serve(tmp_path, engine=engine) as (server, client, app):  # default 30 s write timeout
+        state = app.state.demo
+        host, port = server.url.removeprefix("http://").split(":")
+        body = json.dumps({"messages": [{"role": "user", "content": "q"}], "max_tokens": 200, "stream": True}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, int(port)))
+        try:
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            assert b"200 OK" in s.recv(512)  # then the client stops reading
+            assert _wait_for(lambda: engine.requests and engine.active == 0, 10)  # the engine's part is done
+            time.sleep(0.3)
+            # before: active_chats stayed 1 (library.busy) until the client had read the last byte
+            assert state.admission.running == 1 and state.active_chats == 0 and not state.library.busy()
+        finally:
+            s.close()
+        assert _wait_for(lambda: state.admission.running == 0, 10)

@@ -203,7 +203,7 @@ def test_store_spec_the_store_layer_rejects_falls_back_to_memory(caplog):
 
 def test_default_config_is_local_and_uses_a_disk_store_under_the_data_dir(tmp_path):
     cfg = DemoConfig(data_dir=tmp_path)
-    assert cfg.store_spec.endswith(f"+disk:{tmp_path / 'kv'}")
+    assert cfg.store_spec.endswith(f"+disk:{tmp_path / 'kv'}?max_bytes={20 << 30}")  # with a byte budget
     store = open_demo_store(cfg.store_spec)
     assert list(store.tier_stats()) == ["memory", "disk"]  # a restart finds compiled chunks on disk
     assert cfg.corpus == "builtin:pydoc" and cfg.uploads_dir == tmp_path / "uploads"

@@ -233,6 +233,19 @@ def test_a_failed_link_is_never_served(tiny_engine, monkeypatch):
     assert tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4").token_ids
 
 
+def test_a_request_whose_link_job_is_gone_fails_instead_of_answering_from_unfilled_pages(tiny_engine, monkeypatch):
+    from epic_rag.engine.board import BOARD
+
+    # before: the connector logged "link job ... is gone" and vLLM decoded from pages nobody wrote
+    monkeypatch.setattr(BOARD, "job", lambda job_id: None)
+    with pytest.raises(RuntimeError, match="finish reason 'error'"):
+        tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")
+    monkeypatch.undo()
+    assert BOARD.pending() == (0, 0) and tiny_engine.runtime.idle()
+    linked = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")
+    assert linked.token_ids == tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4").token_ids
+
+
 def test_leading_glue_is_linked_exactly_and_not_recomputed(tiny_engine):
     # The template text before the first chunk sits at position 0: its compiled KV is exact.
     naive = tiny_engine.generate(_req(), max_tokens=8, policy="naive")

@@ -30,7 +30,7 @@ import pytest
 import torch
 from test_demo_unit import HashEncoder
 from test_reliability_inputs import engine_idle
-from test_store import _mount_tmpfs, readonly_dir  # noqa: F401  (fixture)
+from test_store import mount_tmpfs_or_skip, readonly_dir  # noqa: F401  (fixture)
 
 from apps.demo.config import DemoConfig
 from apps.demo.server import BackgroundServer, create_app
@@ -138,7 +138,9 @@ def assert_clean(engine) -> None:
 
 
 # ---------------------------------------------------------------------- Redis
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+@pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="needs the redis-server binary (apt-get install redis-server)"
+)
 def test_redis_stopped_and_restarted_under_load_every_request_is_answered_correctly(
     tiny_engine, references, with_store, tmp_path
 ):
@@ -174,10 +176,7 @@ def test_redis_stopped_and_restarted_under_load_every_request_is_answered_correc
 
 # ---------------------------------------------------------------------- disk: full, read-only, damaged
 def _needs_mount(tmp_path: Path, opts: str) -> Path:
-    d = tmp_path / "mnt"
-    if os.geteuid() != 0 or not _mount_tmpfs(d, opts):
-        pytest.skip("needs root to mount a small tmpfs")
-    return d
+    return mount_tmpfs_or_skip(tmp_path / "mnt", opts)
 
 
 def test_disk_store_that_fills_up_while_serving(tiny_engine, references, with_store, tmp_path, caplog):
@@ -476,7 +475,27 @@ def test_repeated_disconnects_free_their_requests_and_memory(server, tiny_engine
     print(f"\nRSS growth over {n} mid-stream disconnects: {growth / 2**20:.2f} MiB")
 
 
-def test_non_stream_clients_that_give_up_are_cancelled(server, tiny_engine):
+def _counting_aborts(monkeypatch, tiny_engine) -> list[str]:
+    """Ids of the generation requests torn down in flight (RequestRun.cancel: a request that had already
+    finished is not cancelled, so this shows the client's leaving stopped work, not that it happened to be
+    over; compiles do not go through it)."""
+    from epic_rag.engine.request import RequestRun
+
+    aborted: list[str] = []
+    real = RequestRun.cancel
+
+    def cancel(self) -> None:
+        aborted.append(self.req_id)
+        real(self)
+
+    monkeypatch.setattr(RequestRun, "cancel", cancel)
+    return aborted
+
+
+def test_non_stream_clients_that_give_up_are_cancelled(server, tiny_engine, monkeypatch):
+    cancelled = server.app.state.demo.metrics.chat.labels("legolink", "false", "cancelled")
+    before = cancelled._value.get()
+    aborted = _counting_aborts(monkeypatch, tiny_engine)
     for _ in range(3):
         with httpx.Client(
             base_url=server.url, headers={"Authorization": "Bearer k"}, timeout=httpx.Timeout(30, read=0.5)
@@ -491,9 +510,15 @@ def test_non_stream_clients_that_give_up_are_cancelled(server, tiny_engine):
                     },
                 )
         _settled(server, tiny_engine)
+    assert cancelled._value.get() - before == 3  # the route saw each client leave (else: "ok" after the fact)
+    assert len(set(aborted)) == 3
 
 
-async def test_many_concurrent_disconnects(server, tiny_engine):
+async def test_many_concurrent_disconnects(server, tiny_engine, monkeypatch):
+    cancelled = server.app.state.demo.metrics.chat.labels("legolink-16", "true", "cancelled")
+    before = cancelled._value.get()
+    aborted = _counting_aborts(monkeypatch, tiny_engine)
+
     async def one(i: int):
         async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": "Bearer k"}, timeout=60) as c:
             async with c.stream(
@@ -512,4 +537,6 @@ async def test_many_concurrent_disconnects(server, tiny_engine):
 
     got = await asyncio.gather(*(one(i) for i in range(12)))
     assert all(got)
-    _settled(server, tiny_engine)
+    await asyncio.to_thread(_settled, server, tiny_engine)
+    assert cancelled._value.get() - before == 12
+    assert len(set(aborted)) == 12  # each was still generating when its client left

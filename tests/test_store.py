@@ -513,6 +513,18 @@ def _mount_tmpfs(path: Path, opts: str) -> bool:
     return r.returncode == 0
 
 
+def mount_tmpfs_or_skip(path: Path, opts: str) -> Path:
+    """Mount a small tmpfs at `path`, or skip saying what is missing: root, or a mount that root may do here
+    (a container without CAP_SYS_ADMIN refuses it). `make test` prints the reason (-ra)."""
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root to mount a small tmpfs (running as uid {os.geteuid()})")
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"running as root, but mounting a tmpfs failed here: {(r.stderr or r.stdout).strip()[:200]}")
+    return path
+
+
 @pytest.fixture
 def readonly_dir(tmp_path):
     """A folder this process cannot write: chmod for ordinary users; for root, a read-only tmpfs mount
@@ -528,7 +540,7 @@ def readonly_dir(tmp_path):
     elif shutil.which("chattr") and subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode == 0:
         undo = lambda: subprocess.run(["chattr", "-i", str(d)], check=False)  # noqa: E731
     else:
-        pytest.skip("cannot make a read-only folder here (root without mount or chattr)")
+        pytest.skip("running as root, but neither a read-only tmpfs mount nor chattr +i works here")
     try:
         yield d
     finally:
@@ -549,9 +561,7 @@ def test_read_only_disk_folder_put_logs_an_error_and_does_not_raise(readonly_dir
 
 
 def test_full_disk_put_logs_an_error_and_serving_continues(tmp_path, caplog):
-    d = tmp_path / "full"
-    if os.geteuid() != 0 or not _mount_tmpfs(d, "size=64k"):
-        pytest.skip("needs root to mount a small tmpfs")
+    d = mount_tmpfs_or_skip(tmp_path / "full", "size=64k")
     try:
         s = DiskStore(d)
         small, big = make_kv("plain-small"), make_kv("plain-big", tokens=2048)

@@ -32,7 +32,7 @@ def register(subparsers) -> None:
     d.add_argument(
         "--store",
         default=None,
-        help="chunk store spec (default memory?max_bytes=2G+disk:<data-dir>/kv, so a restart "
+        help="chunk store spec (default memory?max_bytes=2G+disk:<data-dir>/kv?max_bytes=20G, so a restart "
         "reuses compiled chunks; memory+redis://HOST:6379/0 shares them between replicas)",
     )
     d.add_argument("--policy", default="legolink-16", help="default link policy (the page can switch)")

@@ -51,6 +51,10 @@ class DemoConfig:
     max_queued: int = 64  # more waiting for a slot; beyond that 429 + Retry-After
     parse_cpu_s: int = 20  # CPU seconds one HTML/PDF extraction may use (in its worker process)
     max_document_chars: int = 10 << 20  # characters per document after decoding/extraction
+    disk_max_bytes: int = 20 << 30  # budget of the default disk tier (least recently used entries evicted)
+    stream_write_timeout_s: float = 30.0  # a streamed response whose client takes longer to take a write is dropped
+    stream_keepalive_s: float = 15.0  # an SSE comment is sent when the engine has said nothing for this long
+    stream_idle_s: float = 300.0  # a stream with no engine output for this long ends with an error (and is aborted)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser()
@@ -70,10 +74,15 @@ class DemoConfig:
             "max_inflight",
             "max_queued",
             "max_document_chars",
+            "disk_max_bytes",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name == "top_k" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("stream_write_timeout_s", "stream_keepalive_s", "stream_idle_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
         if self.top_k > self.max_top_k:
             raise ValueError(f"top_k ({self.top_k}) exceeds max_top_k ({self.max_top_k})")
         if self.default_max_tokens > self.max_tokens_limit:
@@ -83,8 +92,9 @@ class DemoConfig:
 
     @property
     def store_spec(self) -> str:
-        """Default: a 2 GiB memory tier over a disk tier, so a restart reuses every compiled chunk."""
-        return self.store or f"memory?max_bytes=2G+disk:{self.data_dir / 'kv'}"
+        """Default: a 2 GiB memory tier over a disk tier with a byte budget (`disk_max_bytes`, least recently
+        used entries evicted beyond it), so a restart reuses compiled chunks and clients cannot fill the disk."""
+        return self.store or f"memory?max_bytes=2G+disk:{self.data_dir / 'kv'}?max_bytes={self.disk_max_bytes}"
 
     @property
     def corpus_dir(self) -> Path | None:

@@ -222,21 +222,56 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 # ---------------------------------------------------------------------- streaming response
+class _StalledReader(Exception):
+    """The client did not take a write within the stream's write timeout."""
+
+
 class EventStreamResponse(StreamingResponse):
-    """SSE response that stops (and closes its generator) as soon as the client disconnects."""
+    """SSE response that stops (and closes its generator, which aborts the request in the engine) as soon as
+    the client disconnects, or stops reading: a write the client does not take within `write_timeout_s`
+    ends the response, so a stalled reader cannot hold its slot, the engine request or the busy flag that
+    pauses background compilation."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content, *, on_close: Callable[[], None] | None = None, **kw) -> None:
+    def __init__(
+        self,
+        content,
+        *,
+        on_close: Callable[[], None] | None = None,
+        write_timeout_s: float | None = None,
+        on_stall: Callable[[], None] | None = None,
+        **kw,
+    ) -> None:
         super().__init__(content, **kw)
         self.on_close = on_close  # runs however the response ends (even if the stream never started)
+        self.write_timeout_s = write_timeout_s
+        self.on_stall = on_stall
+        self.stalled = False
 
     async def __call__(self, scope, receive, send):
+        async def bounded_send(message) -> None:
+            if self.write_timeout_s is None:
+                await send(message)
+                return
+            with anyio.move_on_after(self.write_timeout_s) as waited:
+                await send(message)  # uvicorn waits here while the socket's buffers are full
+            if waited.cancelled_caught:
+                raise _StalledReader
+
         try:
             async with anyio.create_task_group() as tg:
 
                 async def stream():
-                    await self.stream_response(send)
+                    try:
+                        await self.stream_response(bounded_send)
+                    except _StalledReader:
+                        self.stalled = True
+                        log.warning(
+                            "streamed response dropped: the client took no write for %g s", self.write_timeout_s
+                        )
+                        if self.on_stall is not None:
+                            self.on_stall()
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream)
@@ -249,6 +284,48 @@ class EventStreamResponse(StreamingResponse):
                     await aclose()
             if self.on_close is not None:
                 self.on_close()
+
+
+class _StreamIdle(Exception):
+    pass
+
+
+@dataclasses.dataclass(slots=True)
+class _Raised:
+    error: BaseException
+
+
+async def _paced(events, keepalive_s: float, idle_s: float):
+    """The engine's events, with None whenever it has said nothing for `keepalive_s` (the caller sends an SSE
+    comment: proxies keep the connection, and a stalled reader meets the write timeout even while the engine
+    is quiet); _StreamIdle after `idle_s` without an event. Closing this cancels the pending read, which
+    aborts the request in the engine."""
+    it = events.__aiter__()
+    pending: asyncio.Future | None = None
+    last = time.monotonic()
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            left = idle_s - (time.monotonic() - last)
+            if left <= 0:
+                raise _StreamIdle(f"no output from the engine for {idle_s:g} s")
+            done, _ = await asyncio.wait({pending}, timeout=min(keepalive_s, left))
+            if not done:
+                yield None
+                continue
+            fut, pending = pending, None
+            try:
+                ev = fut.result()
+            except StopAsyncIteration:
+                return
+            last = time.monotonic()
+            yield ev
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
 
 
 def _sse(obj) -> str:
@@ -402,11 +479,7 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
         try:
             plan = await _plan(state, body, engine)
             if body.stream:
-                resp = EventStreamResponse(
-                    _stream(state, engine, body, plan),
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                    on_close=release,
-                )
+                resp = _event_stream(state, engine, body, plan, release)
                 release = None  # the response releases the slot when it ends
                 return resp
             return await _complete(state, engine, body, plan, request)
@@ -417,17 +490,35 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         engine = need_engine()
-        plan = await _plan_text(state, body, engine)
-        if body.stream:
-            return EventStreamResponse(
-                _stream(state, engine, body, plan), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            )
-        return await _complete(state, engine, body, plan, request)
+        release = await state.admission.enter()  # the same slots as chat completions
+        if release is None:
+            state.metrics.errors.labels("overloaded").inc()
+            raise HTTPException(429, "too many requests in flight; retry shortly", headers={"Retry-After": "1"})
+        try:
+            plan = await _plan_text(state, body, engine)
+            if body.stream:
+                resp = _event_stream(state, engine, body, plan, release)
+                release = None
+                return resp
+            return await _complete(state, engine, body, plan, request)
+        finally:
+            if release is not None:
+                release()
 
     app.include_router(api)
     if engine is not None:
         state.attach_engine(engine)
     return app
+
+
+def _event_stream(state: DemoState, engine, body, plan, release: Callable[[], None]) -> EventStreamResponse:
+    return EventStreamResponse(
+        _stream(state, engine, body, plan),
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        on_close=release,
+        write_timeout_s=state.cfg.stream_write_timeout_s,
+        on_stall=lambda: state.metrics.errors.labels("stalled_reader").inc(),
+    )
 
 
 # ---------------------------------------------------------------------- chat completions
@@ -676,8 +767,38 @@ async def _stream(state: DemoState, engine, body, plan: _Plan):
             {"id": plan.id, "object": kind, "created": plan.created, "model": model, "choices": [choice], **extra}
         )
 
+    cfg = state.cfg
     m.inflight.inc()
     state.active_chats += 1
+    using_engine = True
+
+    def engine_done() -> None:  # the engine's part is over: the client's reading pace no longer holds it
+        nonlocal using_engine
+        if using_engine:
+            using_engine = False
+            m.inflight.dec()
+            state.active_chats -= 1
+
+    # The engine's events are taken by a task of their own, not at the client's reading pace: once the engine
+    # is done the stream stops counting as busy (background compilation resumes) however slowly the client
+    # reads. The buffer holds at most one event per generated token plus keep-alives (bounded by max_tokens
+    # and stream_idle_s); a client that stops reading altogether is dropped by the write timeout.
+    buffered: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump() -> None:
+        try:
+            async with contextlib.aclosing(engine.astream_events(plan.req)) as events:
+                async with contextlib.aclosing(_paced(events, cfg.stream_keepalive_s, cfg.stream_idle_s)) as paced:
+                    async for ev in paced:
+                        buffered.put_nowait(ev)
+        except Exception as e:  # handed to the stream, which reports it
+            buffered.put_nowait(_Raised(e))
+        finally:
+            engine_done()
+            buffered.put_nowait(end)
+
+    pumping = asyncio.create_task(pump())
     outcome = "cancelled"
     try:
         # Sources are known before the first token: the page shows citations while the answer streams.
@@ -685,15 +806,34 @@ async def _stream(state: DemoState, engine, body, plan: _Plan):
             yield chunk({"role": "assistant", "content": ""}, epic=_epic(plan, None))
         gen: Generation | None = None
         try:
-            async with contextlib.aclosing(engine.astream_events(plan.req)) as events:
-                async for ev in events:
-                    if isinstance(ev, Generation):
-                        gen = ev
-                    elif isinstance(ev, Delta) and ev.text:
-                        yield chunk({"content": ev.text}, logprobs=ev.logprobs)
-                        offset += len(ev.text)
+            while (ev := await buffered.get()) is not end:
+                if isinstance(ev, _Raised):
+                    raise ev.error
+                if ev is None:
+                    yield ": keep-alive\n\n"
+                elif isinstance(ev, Generation):
+                    gen = ev
+                elif isinstance(ev, Delta) and ev.text:
+                    yield chunk({"content": ev.text}, logprobs=ev.logprobs)
+                    offset += len(ev.text)
         except (asyncio.CancelledError, GeneratorExit):
             raise
+        except _StreamIdle as e:
+            outcome = "error"
+            log.warning("streamed generation %s given up: %s", plan.id, e)
+            m.errors.labels("timeout").inc()
+            yield _sse(
+                {
+                    "error": {
+                        "message": f"{e} (request id {plan.id})",
+                        "type": "server_error",
+                        "param": None,
+                        "code": 504,
+                    }
+                }
+            )
+            yield "data: [DONE]\n\n"
+            return
         except Exception as e:
             outcome = "error"
             if not isinstance(e, ValueError):
@@ -741,8 +881,11 @@ async def _stream(state: DemoState, engine, body, plan: _Plan):
             )
         yield "data: [DONE]\n\n"
     finally:
-        m.inflight.dec()
-        state.active_chats -= 1
+        if not pumping.done():  # the client went away first: abort the engine request
+            pumping.cancel()
+        with contextlib.suppress(BaseException):
+            await pumping
+        engine_done()
         if outcome != "ok":
             m.chat.labels(m.policy(plan.policy), "true", outcome).inc()
 

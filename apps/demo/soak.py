@@ -10,7 +10,8 @@ answers over retrieved chunks with a mix of link policies, some non-streamed, so
 (must be refused with a 4xx and a message) and some that disconnect after the first token (must be
 cancelled). Every request is classified; anything else (5xx, SSE error event, transport error, timeout,
 a stream without [DONE]) is an error. The server's RSS is sampled every second. Results: <out>/soak.json
-and soak.md; exit status 1 when any request errored.
+and soak.md; exit status 1 when any request errored, or when the RSS after the warm-up grew more than
+--max-rss-growth-mib (512) beyond what chunk KV added to the memory tier explains.
 
 fuzz: schemathesis' `st run` against the server's /openapi.json with the `not_a_server_error` check (any 5xx
 or transport failure is a failure). It runs as `python -m apps.demo.soak st run ...`: schemathesis' own command
@@ -183,6 +184,20 @@ def process_rss(pid: int) -> Callable[[], int]:
 
     p = psutil.Process(pid)
     return lambda: p.memory_info().rss
+
+
+def store_probe(url: str, key: str) -> Callable[[], dict]:
+    """A `run_load` probe: the server's store, in-flight and error metrics (the memory tier's bytes explain
+    part of any RSS growth)."""
+
+    def probe() -> dict:
+        return {
+            k: v
+            for k, v in scrape_metrics(url, key).items()
+            if k.startswith(("epic_rag_store_bytes", "epic_rag_store_entries", "epic_rag_inflight"))
+        }
+
+    return probe
 
 
 def scrape_metrics(url: str, key: str) -> dict[str, float]:
@@ -426,7 +441,28 @@ def summarize(load: dict, warmup_s: float) -> dict:
             "growth_after_warmup": _mib(rss[-1][1] - after[0]),
             "max_after_warmup_minus_warm": _mib(max(after) - after[0]),
         }
+        # What a per-request leak would show: growth after the warm-up that chunk KV added to the memory
+        # tier does not explain (the tier has its own budget), at its highest point.
+        tier = out.get("memory_tier_mib", {}).get("growth_after_warmup", 0.0)
+        out["rss_mib"]["unexplained_growth_after_warmup"] = round(
+            out["rss_mib"]["max_after_warmup_minus_warm"] - max(tier, 0.0), 1
+        )
     return out
+
+
+def memory_problem(summary: dict, max_growth_mib: float) -> str | None:
+    """None when the server's RSS growth after the warm-up, less the memory tier's growth, stayed within
+    `max_growth_mib`; else what went over. A run without RSS samples is a problem too (nothing was checked)."""
+    r = summary.get("rss_mib")
+    if not r:
+        return "no RSS samples: memory was not checked"
+    grew = r["unexplained_growth_after_warmup"]
+    if grew > max_growth_mib:
+        return (
+            f"RSS grew {grew} MiB after the warm-up beyond what the memory tier explains "
+            f"(bound {max_growth_mib:g} MiB): a leak?"
+        )
+    return None
 
 
 def _mib(n: float) -> float:
@@ -484,6 +520,13 @@ def soak_markdown(data: dict) -> str:
             f"| RSS growth after warm-up not explained by the memory tier | "
             f"{round(r['growth_after_warmup'] - mt['growth_after_warmup'], 1)} MiB |"
         )
+    if r and "max_rss_growth_mib" in c:
+        bound = c["max_rss_growth_mib"]
+        verdict = memory_problem(s, bound) or "within the bound"
+        lines.append(
+            f"| memory check: highest RSS after warm-up less the memory tier's growth, bound {bound:g} MiB | "
+            f"{r['unexplained_growth_after_warmup']} MiB: {verdict} |"
+        )
     st = data.get("metrics_end", {})
     mem = st.get('epic_rag_store_bytes{tier="memory"}')
     entries = int(st.get('epic_rag_store_entries{tier="memory"}', 0))
@@ -519,13 +562,6 @@ def cmd_soak(args) -> int:
             f"server ready in {ingest_s:.0f} s: {st['chunks']} chunks compiled; load for {args.duration} s", flush=True
         )
 
-        def store_metrics() -> dict:
-            return {
-                k: v
-                for k, v in scrape_metrics(server.url, KEY).items()
-                if k.startswith(("epic_rag_store_bytes", "epic_rag_store_entries", "epic_rag_inflight"))
-            }
-
         load = asyncio.run(
             run_load(
                 server.url,
@@ -536,7 +572,7 @@ def cmd_soak(args) -> int:
                 args.max_tokens,
                 rss=process_rss(server.proc.pid),
                 seed=args.seed,
-                probe=store_metrics,
+                probe=store_probe(server.url, KEY),
                 probe_every_s=5.0,
             )
         )
@@ -559,6 +595,7 @@ def cmd_soak(args) -> int:
             "duration_s": args.duration,
             "max_tokens": args.max_tokens,
             "warmup_s": args.warmup,
+            "max_rss_growth_mib": args.max_rss_growth_mib,
             "seed": args.seed,
             "documents": len(docs),
             "chunks": st["chunks"],
@@ -574,7 +611,10 @@ def cmd_soak(args) -> int:
         "records": load["records"],
     }
     write(Path(args.out), "soak", data, soak_markdown(data))
-    return 1 if summary["errors"] else 0
+    problem = memory_problem(summary, args.max_rss_growth_mib)
+    if problem:
+        print(f"memory check failed: {problem}", file=sys.stderr)
+    return 1 if summary["errors"] or problem else 0
 
 
 # ---------------------------------------------------------------------- fuzz
@@ -765,6 +805,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--concurrency", type=int, default=16, help="concurrent clients (default 16)")
     s.add_argument("--max-tokens", type=int, default=48)
     s.add_argument("--warmup", type=float, default=30.0, help="seconds before the RSS baseline (default 30)")
+    s.add_argument(
+        "--max-rss-growth-mib",
+        type=float,
+        default=512.0,
+        help="fail when server RSS after the warm-up grows more than this beyond the memory tier's growth "
+        "(default 512)",
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default=str(DEFAULT_OUT))
     s.set_defaults(func=cmd_soak)

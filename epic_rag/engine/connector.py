@@ -77,6 +77,7 @@ class EpicConnector(KVConnectorBase_V1):
         self._kvm = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.linker: Linker | None = None
+        self._load_errors: set[int] = set()  # worker: blocks whose claimed KV was not written this step
 
     # ---------------- scheduler side ----------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
@@ -173,20 +174,36 @@ class EpicConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Worker, before the step's forward: link every request in this step's loads (writes their
         claimed pages in every layer). A failure is recorded on the job, never raised: the engine then
-        discards that request's answer before any token is passed on."""
+        discards that request's answer before any token is passed on. A load whose job is no longer on the
+        board (the caller dropped it) cannot be filled and has no job to flag: its blocks are reported to
+        vLLM as failed loads (get_block_ids_with_load_errors), so vLLM fails that request (finish reason
+        "error", no token of this step passed on, the blocks dropped from its prefix cache) and the engine
+        raises instead of answering from unfilled pages."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, EpicMeta):
             return
         for load in meta.loads:
             job = BOARD.job(load.job_id)
-            if job is None:  # the caller dropped it (cancelled); no one reads this request's output
-                log.error("link job %s for %s is gone; its pages were not filled", load.job_id, load.req_id)
+            if job is None:
+                bs = self.block_size
+                self._load_errors.update(load.block_ids[load.start // bs : -(-load.end // bs)])
+                log.error(
+                    "link job %s for %s is gone; its pages were not filled, so the request is failed",
+                    load.job_id,
+                    load.req_id,
+                )
                 continue
             try:
                 self.linker.link(job, load.block_ids, load.start, load.end)
             except Exception as e:  # never crash the engine step: the engine aborts this request
                 log.exception("linking %s failed", load.req_id)
                 job.error = f"{type(e).__name__}: {e}"
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Worker, after the step: blocks this step failed to fill (vLLM fails the requests holding them;
+        kv_load_failure_policy "fail", its default). Cleared once reported."""
+        failed, self._load_errors = self._load_errors, set()
+        return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Worker, before each attention layer: nothing to wait for (links finish in start_load_kv)."""

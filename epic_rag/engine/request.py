@@ -65,6 +65,10 @@ class RequestRun:
             yield d
         if d.finished:
             self.finish, self.done = d.finish_reason, True
+            if d.finish_reason == "error":  # vLLM failed it (e.g. the connector could not fill its pages)
+                if self.job is not None:
+                    BOARD.drop_job(self.job.job_id)
+                raise RuntimeError(f"the engine failed request {self.req_id} (vLLM finish reason 'error')")
             yield self.result()
 
     def cancel(self) -> None:
