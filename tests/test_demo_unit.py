@@ -9,6 +9,7 @@ import json
 import re
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -72,6 +73,7 @@ class FakeEngine:
         self.config = EngineConfig(model="smollm2-135m-instruct")
         self.tokenizer = WordTokenizer()
         self.store = MemoryStore()
+        self.chunks = SimpleNamespace(glue=MemoryStore())  # the engine's leading-glue cache (metrics read it)
         self.max_model_len = 8192
         self.delay = delay
         self.compiled: list[str] = []

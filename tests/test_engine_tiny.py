@@ -248,8 +248,8 @@ def test_a_request_whose_link_job_is_gone_fails_instead_of_answering_from_unfill
 
 def test_leading_glue_is_linked_exactly_and_not_recomputed(tiny_engine):
     # The template text before the first chunk sits at position 0: its compiled KV is exact.
+    chunk_tokens = sum(r.num_tokens for r in tiny_engine.compile(CHUNKS))  # compiled first: every chunk hits
     naive = tiny_engine.generate(_req(), max_tokens=8, policy="naive")
-    chunk_tokens = sum(r.num_tokens for r in tiny_engine.compile(CHUNKS))
     assert naive.linked_tokens > chunk_tokens
     assert naive.chunk_hits == len(CHUNKS) and len(naive.chunk_keys) == len(CHUNKS)
     segs = ["x" * 40, Chunk(CHUNKS[0]), "\nq?"]
@@ -317,5 +317,6 @@ def test_leading_glue_is_never_written_to_the_shared_store(tiny_engine):
         assert first.token_ids == again.token_ids
         keys = tiny_engine.store.keys()
         assert keys and all(k.startswith(f"{tiny_engine.chunks.variant}-") for k in keys), keys
+        assert any(k.startswith("plain-") for k in tiny_engine.chunks.glue.keys())  # cached in-process instead
     finally:
         tiny_engine.store = old

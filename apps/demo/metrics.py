@@ -19,7 +19,9 @@ class _StoreCollector:
 
     def collect(self):
         engine = self._engine()
-        tiers: dict[str, dict] = engine.store.tier_stats() if engine is not None else {}
+        tiers: dict[str, dict] = dict(engine.store.tier_stats()) if engine is not None else {}
+        if engine is not None:  # the in-process cache of leading glue (never in the shared tiers)
+            tiers["glue"] = next(iter(engine.chunks.glue.tier_stats().values()))
         counters = {
             "hits": "chunk lookups the tier answered",
             "misses": "chunk lookups the tier missed",

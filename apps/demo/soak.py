@@ -420,8 +420,8 @@ def summarize(load: dict, warmup_s: float) -> dict:
         "answers_with_expected_fact": round(sum(graded) / len(graded), 3) if graded else None,
         "error_examples": [r.get("error") for r in recs if r["outcome"] == "error"][:10],
     }
-    mem = [
-        (t, p['epic_rag_store_bytes{tier="memory"}'])
+    mem = [  # KV the server holds in memory on purpose: the memory tier and the leading-glue cache
+        (t, sum(p.get(f'epic_rag_store_bytes{{tier="{tier}"}}', 0.0) for tier in ("memory", "glue")))
         for t, p in load.get("probes", [])
         if 'epic_rag_store_bytes{tier="memory"}' in p
     ]
@@ -513,7 +513,7 @@ def soak_markdown(data: dict) -> str:
     mt = s.get("memory_tier_mib")
     if mt and r:
         lines.append(
-            f"| chunk KV added to the memory tier after warm-up (explains RSS growth) | "
+            f"| KV added to the memory tier and glue cache after warm-up (explains RSS growth) | "
             f"{mt['growth_after_warmup']} MiB ({mt['after_warmup']} -> {mt['end']} MiB) |"
         )
         lines.append(

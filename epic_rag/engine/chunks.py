@@ -62,7 +62,7 @@ class ChunkResolver:
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()
-        self._glue = MemoryStore(max_bytes=LEAD_CACHE_BYTES)
+        self.glue = MemoryStore(max_bytes=LEAD_CACHE_BYTES)  # (see LEAD_CACHE_BYTES)
 
     def key(self, token_ids: Sequence[int], variant: str) -> str:
         return chunk_key(self.fingerprint, token_ids, variant)
@@ -126,7 +126,7 @@ class ChunkResolver:
         # before it: its compiled KV is exact, so it is linked like a chunk and never recomputed.
         lead = chunks[0].start - chunks[0].sink
         if lead >= MIN_EXACT_PREFIX:
-            (prefix_kv,), _ = self.resolve([(token_ids[:lead], "plain")], store=self._glue)
+            (prefix_kv,), _ = self.resolve([(token_ids[:lead], "plain")], store=self.glue)
             spans.insert(0, LinkSpan(0, prefix_kv, exact=True))
         return spans, misses
 
