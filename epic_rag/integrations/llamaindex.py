@@ -314,7 +314,23 @@ async def _astream(events, make):
             yield make(*piece)
 
 
-class EpicChunkCompiler(TransformComponent):
+class _SharedEngine:
+    """For the pipeline components: the engine given, else the process's shared engine (made on first use)."""
+
+    _engine: Any
+
+    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._engine = adopt_engine(engine) if engine is not None else None
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            self._engine = shared_engine()
+        return self._engine
+
+
+class EpicChunkCompiler(_SharedEngine, TransformComponent):
     """Ingestion step: compiles every node's LLM-visible text, so queries link it from cache.
 
     Nodes pass through unchanged. Place it after the steps that set node text and metadata (splitters,
@@ -331,19 +347,9 @@ class EpicChunkCompiler(TransformComponent):
 
     _engine: Any = PrivateAttr(default=None)
 
-    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._engine = adopt_engine(engine) if engine is not None else None
-
     @classmethod
     def class_name(cls) -> str:
         return "EpicChunkCompiler"
-
-    @property
-    def engine(self):
-        if self._engine is None:
-            self._engine = shared_engine()
-        return self._engine
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         texts = list(dict.fromkeys(t for t in (node_llm_text(n) for n in nodes) if t))
@@ -364,7 +370,7 @@ def _compile_new(engine: Any, texts: Sequence[str], policy: str | None, batch_si
     return len(fresh)
 
 
-class EpicNodeCompiler(BaseNodePostprocessor):
+class EpicNodeCompiler(_SharedEngine, BaseNodePostprocessor):
     """Query-time step: compiles the retrieved nodes' LLM-visible text, so the LLM call links them.
 
     Nodes pass through unchanged (order and scores kept). Use it last among the node postprocessors (after
@@ -379,19 +385,9 @@ class EpicNodeCompiler(BaseNodePostprocessor):
 
     _engine: Any = PrivateAttr(default=None)
 
-    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._engine = adopt_engine(engine) if engine is not None else None
-
     @classmethod
     def class_name(cls) -> str:
         return "EpicNodeCompiler"
-
-    @property
-    def engine(self):
-        if self._engine is None:
-            self._engine = shared_engine()
-        return self._engine
 
     def _postprocess_nodes(
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
