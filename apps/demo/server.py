@@ -469,15 +469,15 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
             raise HTTPException(404, f"no document named {name!r}")
         return {"deleted": info.name, "file_removed": info.path is not None}
 
-    @api.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def serve(body, request: Request, plan_for):
+        """Both completion endpoints: one admission slot, a plan (`plan_for`), then a stream or an answer."""
         engine = need_engine()
         release = await state.admission.enter()
         if release is None:
             state.metrics.errors.labels("overloaded").inc()
             raise HTTPException(429, "too many requests in flight; retry shortly", headers={"Retry-After": "1"})
         try:
-            plan = await _plan(state, body, engine)
+            plan = await plan_for(state, body, engine)
             if body.stream:
                 resp = _event_stream(state, engine, body, plan, release)
                 release = None  # the response releases the slot when it ends
@@ -487,23 +487,13 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
             if release is not None:
                 release()
 
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await serve(body, request, _plan)
+
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        engine = need_engine()
-        release = await state.admission.enter()  # the same slots as chat completions
-        if release is None:
-            state.metrics.errors.labels("overloaded").inc()
-            raise HTTPException(429, "too many requests in flight; retry shortly", headers={"Retry-After": "1"})
-        try:
-            plan = await _plan_text(state, body, engine)
-            if body.stream:
-                resp = _event_stream(state, engine, body, plan, release)
-                release = None
-                return resp
-            return await _complete(state, engine, body, plan, request)
-        finally:
-            if release is not None:
-                release()
+        return await serve(body, request, _plan_text)
 
     app.include_router(api)
     if engine is not None:
