@@ -96,9 +96,20 @@ class ChunkResolver:
         kv = self.store.get(seg.key)
         if kv is None:
             raise ValueError(f"chunk {seg.key!r} is not in the store and carries no text to recompile")
-        ids = kv.token_ids[SINK_LEN:] if seg.key.startswith(self.variant + "-") else kv.token_ids
+        ids = self.record_tokens(kv)
+        if ids is None:
+            raise ValueError(f"chunk {seg.key!r} in the store was not compiled behind this engine's sink")
         self.remember(seg.key, ids)
         return PlacedChunk(ids, kv=kv)
+
+    def record_tokens(self, kv: ChunkKV) -> list[int] | None:
+        """The tokens a stored record was keyed by: a chunk record's without its sink, which must be this
+        engine's (else None); a plain record's as they are."""
+        if not kv.key.startswith(self.variant + "-"):
+            return kv.token_ids
+        if kv.token_ids[:SINK_LEN] != [self.sink_token] * SINK_LEN:
+            return None
+        return kv.token_ids[SINK_LEN:]
 
     def compile(self, texts: Sequence[str], batch_size: int) -> list[ChunkRef]:
         """Compile chunk texts not stored yet, `batch_size` per vLLM batch; refs in input order."""

@@ -66,12 +66,8 @@ class EpicEngine:
     def _entry_key(self, kv: ChunkKV) -> str | None:
         """The key this engine would store `kv` under, from its own token ids (a chunk record holds the
         sink token(s) before the chunk's tokens); None when the record cannot be this engine's."""
-        variant, ids = kv.key.partition("-")[0], kv.token_ids
-        if variant == self.chunks.variant:
-            if ids[:SINK_LEN] != [self.chunks.sink_token] * SINK_LEN:
-                return None
-            ids = ids[SINK_LEN:]
-        return self.chunks.key(ids, variant)
+        ids = self.chunks.record_tokens(kv)
+        return None if ids is None else self.chunks.key(ids, kv.key.partition("-")[0])
 
     # ------------------------------------------------------------------ compile
     def chunk_key(self, token_ids: Sequence[int], variant: str | None = None) -> str:
