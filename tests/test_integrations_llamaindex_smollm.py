@@ -20,9 +20,11 @@ from llama_index.core.instrumentation import get_dispatcher  # noqa: E402
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
 from llama_index.core.instrumentation.events.llm import (  # noqa: E402
     LLMChatEndEvent,
+    LLMChatInProgressEvent,
     LLMChatStartEvent,
     LLMCompletionEndEvent,
 )
+from llama_index.core.instrumentation.span_handlers import SimpleSpanHandler  # noqa: E402
 from llama_index.core.query_engine import RetrieverQueryEngine  # noqa: E402
 from llama_index.core.schema import TextNode  # noqa: E402
 
@@ -190,6 +192,97 @@ async def test_epic_synthesizer_async_query(li_index):
     qe = RetrieverQueryEngine(retriever, response_synthesizer=EpicSynthesizer(llm=Settings.llm, max_tokens=8))
     response = await qe.aquery(Q1)
     assert response.response.strip() and response.metadata["chunk_misses"] == 0
+
+
+def _chat_start(events) -> LLMChatStartEvent:
+    starts = [e for e in events if isinstance(e, LLMChatStartEvent)]
+    assert len(starts) == 1, [type(e).__name__ for e in events]
+    return starts[0]
+
+
+def _synth_engine(retriever, synth) -> RetrieverQueryEngine:
+    return RetrieverQueryEngine(retriever, response_synthesizer=synth)
+
+
+def test_epic_synthesizer_call_emits_the_llms_chat_events_with_its_question_and_chunks(smol_engine, li_index, events):
+    llm = EpicLLM(engine=smol_engine, max_tokens=8)
+    response = _synth_engine(li_index.as_retriever(similarity_top_k=2), EpicSynthesizer(llm=llm)).query(Q1)
+    start, end = _chat_start(events), _chat_end(events)
+    assert start.span_id == end.span_id and start.messages[-1].content == Q1
+    assert start.additional_kwargs["chunks"] == [node_llm_text(n.node) for n in response.source_nodes]
+    assert end.response.message.content == response.response
+    stats = end.response.additional_kwargs
+    assert stats["chunk_hits"] == 2 and stats["chunk_misses"] == 0 and stats["linked_tokens"] > 0
+    assert {k: response.metadata[k] for k in STAT_KEYS} == {k: stats[k] for k in STAT_KEYS}
+
+
+def test_token_counting_handler_counts_epic_synthesizer_calls_from_the_engines_usage(smol_engine, li_index, events):
+    from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+
+    counter = TokenCountingHandler(tokenizer=lambda s: [0] * 100000)  # would be wildly off if used
+    llm = EpicLLM(engine=smol_engine, max_tokens=8)  # its own: the synthesizer sets its callback manager
+    synth = EpicSynthesizer(llm=llm, callback_manager=CallbackManager([counter]))
+    response = _synth_engine(li_index.as_retriever(similarity_top_k=2), synth).query(Q2)
+    usage = _chat_end(events).response.raw["usage"]
+    assert usage["prompt_tokens"] == response.metadata["prompt_tokens"] > 0
+    assert usage["prompt_tokens_details"]["cached_tokens"] == response.metadata["linked_tokens"] > 0
+    assert len(counter.llm_token_counts) == 1
+    assert counter.prompt_llm_token_count == usage["prompt_tokens"]
+    assert counter.completion_llm_token_count == usage["completion_tokens"] == response.metadata["completion_tokens"]
+    assert usage["completion_tokens"] > 0
+
+
+def _span_name(span_id: str | None) -> str | None:
+    return None if span_id is None else span_id.rsplit("-", 5)[0]  # "<Class>.<method>-<uuid4>"
+
+
+def test_epic_synthesizer_spans_nest_synthesize_get_response_and_the_llm_chat_as_a_stock_synthesizer(
+    smol_engine, li_index
+):
+    root = get_dispatcher()
+    spans = SimpleSpanHandler()
+    root.add_span_handler(spans)
+    try:
+        llm = EpicLLM(engine=smol_engine, max_tokens=4)
+        _synth_engine(li_index.as_retriever(similarity_top_k=2), EpicSynthesizer(llm=llm)).query(Q1)
+    finally:
+        root.span_handlers.remove(spans)
+    by_name: dict[str, list] = {}
+    for s in spans.completed_spans:
+        by_name.setdefault(_span_name(s.id_), []).append(s)
+    (synth,) = by_name["EpicSynthesizer.synthesize"]  # one, as BaseSynthesizer.synthesize makes it
+    (get,) = by_name["EpicSynthesizer.get_response"]
+    (chat,) = by_name["EpicLLM.chat"]
+    assert get.parent_id == synth.id_ and chat.parent_id == get.id_
+    assert _span_name(synth.parent_id) == "RetrieverQueryEngine._query"
+
+
+def test_epic_synthesizer_stream_emits_in_progress_events_then_the_end_event_with_usage(smol_engine, li_index, events):
+    synth = EpicSynthesizer(llm=EpicLLM(engine=smol_engine, max_tokens=8), streaming=True)
+    response = _synth_engine(li_index.as_retriever(similarity_top_k=2), synth).query(Q2)
+    assert isinstance(response, StreamingResponse)
+    assert not any(isinstance(e, LLMChatEndEvent) for e in events)  # not before the stream ends
+    text = "".join(response.response_gen)
+    progress = [e for e in events if isinstance(e, LLMChatInProgressEvent)]
+    assert progress and progress[-1].response.message.content == text
+    end = _chat_end(events)
+    assert end.response.raw["usage"]["completion_tokens"] == response.metadata["completion_tokens"] > 0
+    assert end.response.additional_kwargs["chunk_hits"] == response.metadata["chunk_hits"] == 2
+
+
+async def test_epic_synthesizer_async_query_and_stream_emit_the_llms_chat_events(smol_engine, li_index, events):
+    retriever = li_index.as_retriever(similarity_top_k=2)
+    llm = EpicLLM(engine=smol_engine, max_tokens=6)
+    response = await _synth_engine(retriever, EpicSynthesizer(llm=llm)).aquery(Q1)
+    end = _chat_end(events)
+    assert end.response.message.content == response.response and _chat_start(events).span_id == end.span_id
+    assert response.metadata["chunk_hits"] == end.response.additional_kwargs["chunk_hits"] == 2
+    events.clear()
+    streamed = await _synth_engine(retriever, EpicSynthesizer(llm=llm, streaming=True)).aquery(Q2)
+    text = "".join([t async for t in streamed.async_response_gen()])
+    end = _chat_end(events)
+    assert end.response.message.content == text and streamed.metadata["chunk_hits"] == 2
+    assert any(isinstance(e, LLMChatInProgressEvent) for e in events)
 
 
 def test_epic_llm_metadata_reports_the_engine(smol_engine):

@@ -4,6 +4,9 @@ sampling options reach the engine, and an unknown option is an error naming it."
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
 from epic_rag import EngineConfig
@@ -41,6 +44,9 @@ class ScriptedEngine:
 
     def render_messages(self, messages):
         return [self.tokenizer.apply_chat_template(messages)]
+
+    def prepare(self, request, **sampling):  # what EpicSynthesizer sizes a request with
+        return SimpleNamespace(token_ids=[0] * 30)
 
     def _gen(self, sampling) -> Generation:
         return Generation(
@@ -128,6 +134,71 @@ def test_token_counting_handler_counts_the_engines_tokens_not_tiktokens(engine):
     llm.complete("q")
     llm.chat([ChatMessage(role="user", content="q")])
     assert counter.prompt_llm_token_count == 60 and counter.completion_llm_token_count == 4
+
+
+def _instrumented():
+    """A root-dispatcher event handler and span handler, and a function removing them."""
+    from llama_index.core.bridge.pydantic import Field
+    from llama_index.core.instrumentation import get_dispatcher
+    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+    from llama_index.core.instrumentation.span_handlers import SimpleSpanHandler
+
+    class Catch(BaseEventHandler):
+        events: list = Field(default_factory=list)
+
+        @classmethod
+        def class_name(cls) -> str:
+            return "Catch"
+
+        def handle(self, event: Any, **kwargs: Any) -> None:
+            self.events.append(event)
+
+    root, events, spans = get_dispatcher(), Catch(), SimpleSpanHandler()
+    root.add_event_handler(events)
+    root.add_span_handler(spans)
+
+    def remove() -> None:
+        root.event_handlers.remove(events)
+        root.span_handlers.remove(spans)
+
+    return events.events, spans, remove
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_epic_synthesizer_calls_are_epic_llm_chat_calls_seen_by_events_spans_and_token_counting(engine, streaming):
+    from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+    from llama_index.core.instrumentation.events.llm import (
+        LLMChatEndEvent,
+        LLMChatInProgressEvent,
+        LLMChatStartEvent,
+    )
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    from epic_rag.integrations.llamaindex import EpicSynthesizer
+
+    counter = TokenCountingHandler(tokenizer=lambda s: [0] * 1000)  # a wrong count if it were used
+    synth = EpicSynthesizer(llm=_llm(engine), callback_manager=CallbackManager([counter]), streaming=streaming)
+    events, spans, remove = _instrumented()
+    try:
+        r = synth.synthesize("which adds?", [NodeWithScore(node=TextNode(text="def add(a, b): return a + b"))])
+        text = "".join(r.response_gen) if streaming else r.response
+    finally:
+        remove()
+    assert text == "Hi!" and r.metadata["chunk_hits"] == 2 and r.metadata["linked_tokens"] == 24
+    (start,) = [e for e in events if isinstance(e, LLMChatStartEvent)]
+    (end,) = [e for e in events if isinstance(e, LLMChatEndEvent)]
+    assert start.messages[-1].content == "which adds?"
+    assert start.additional_kwargs["chunks"] == ["def add(a, b): return a + b"]
+    assert end.response.raw == {"usage": USAGE} and end.span_id == start.span_id
+    assert any(isinstance(e, LLMChatInProgressEvent) for e in events) == streaming
+    assert counter.prompt_llm_token_count == 30 and counter.completion_llm_token_count == 2
+    names = {s.id_: s.id_.rsplit("-", 5)[0] for s in spans.completed_spans}
+    (synth_span,) = [s for s in spans.completed_spans if names[s.id_] == "EpicSynthesizer.synthesize"]
+    (get_span,) = [s for s in spans.completed_spans if names[s.id_] == "EpicSynthesizer.get_response"]
+    chat = "EpicLLM.stream_chat" if streaming else "EpicLLM.chat"
+    (chat_span,) = [s for s in spans.completed_spans if names[s.id_] == chat]
+    assert get_span.parent_id == synth_span.id_ and chat_span.parent_id == get_span.id_
+    assert chat_span.id_ == start.span_id
 
 
 def test_epic_llm_passes_sampling_fields_additional_kwargs_and_per_call_options(engine):

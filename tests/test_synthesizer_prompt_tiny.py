@@ -82,3 +82,33 @@ def test_a_first_chunk_longer_than_the_window_is_cut_to_fit(synth, tiny_engine, 
 def test_packing_does_not_hide_a_bad_chunk_behind_dropping_it(synth):
     with pytest.raises(ValueError, match="surrogate"):
         synth.get_response("which chunk?", ["fine text", "bad \ud800 text"])
+
+
+# EpicLLM's chat keywords the synthesizer passes its packed chunks through (so the call is an ordinary,
+# instrumented EpicLLM.chat): chunks= with system messages and one question makes a RagRequest.
+def test_epic_llm_chat_with_chunks_sends_the_system_question_and_chunks_as_a_rag_request(
+    synth, tiny_engine, monkeypatch
+):
+    from llama_index.core.base.llms.types import ChatMessage
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    seen = _spy(tiny_engine, monkeypatch)
+    node = NodeWithScore(node=TextNode(text="def sub(a, b): return a - b", metadata={"doc": "ops.py"}), score=1.0)
+    messages = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="which adds?")]
+    r = synth._epic.chat(messages, chunks=["def add(a, b): return a + b", node], template="{context}Q: {question}")
+    req = seen[-1]
+    assert (req.question, req.system, req.template) == ("which adds?", "Be brief.", "{context}Q: {question}")
+    assert req.chunks == ["def add(a, b): return a + b", "doc: ops.py\n\ndef sub(a, b): return a - b"]
+    assert r.additional_kwargs["chunk_hits"] + r.additional_kwargs["chunk_misses"] == 2
+
+
+def test_epic_llm_chunks_need_one_user_question_and_template_needs_chunks(synth):
+    from llama_index.core.base.llms.types import ChatMessage
+
+    two = [ChatMessage(role="user", content="a?"), ChatMessage(role="assistant", content="b")]
+    with pytest.raises(ValueError, match="one user question"):
+        synth._epic.chat(two, chunks=["some text"])
+    with pytest.raises(ValueError, match="template= applies to a request with chunks="):
+        synth._epic.chat([ChatMessage(role="user", content="a?")], template="{context}{question}")
+    with pytest.raises(ValueError, match="unsupported option 'chunks'"):  # completion prompts take no chunks
+        synth._epic.complete("a?", chunks=["some text"])

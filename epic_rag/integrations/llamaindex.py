@@ -11,7 +11,13 @@
   skipped unchanged documents still links: `index.as_query_engine(node_postprocessors=[EpicNodeCompiler()])`.
   Texts already compiled in this process cost nothing; texts already in the chunk store cost a store lookup.
 - `EpicSynthesizer` (a BaseSynthesizer) hands the retrieved node texts to the engine as chunks of a
-  RagRequest: no string matching; the linking figures land in `Response.metadata`.
+  RagRequest: no string matching; the linking figures land in `Response.metadata`. Its calls are
+  `EpicLLM.chat(messages, chunks=[...])` (and the stream / async forms), so LlamaIndex's instrumentation
+  (LLMChat* events, spans) and callback handlers (TokenCountingHandler) see them as any LLM call.
+
+`EpicLLM.chat` and its stream / async forms take `chunks=[...]` (texts, ChunkRefs or nodes) per call, with
+the messages as system messages and one user question: the chunks go to the engine as a RagRequest (and
+`template=` is its user message, with `{context}` and `{question}` slots), as ChatEpic takes them.
 
 Every response carries the figures in `additional_kwargs` (CompletionResponse / ChatResponse; for streams,
 on the last item): ttft_s, total_s, prompt_tokens, linked_tokens, recomputed_tokens, chunk_hits,
@@ -28,6 +34,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Generator, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
@@ -57,7 +64,7 @@ from llama_index.core.settings import Settings
 
 from ..config import EngineConfig
 from ..prompt import DEFAULT_TEMPLATE, check_template
-from ..types import Delta, Generation, RagRequest
+from ..types import ChunkRef, Delta, Generation, RagRequest
 from ._shared import (
     adopt_engine,
     generation_stats,
@@ -78,11 +85,24 @@ _ROLE = {
     MessageRole.FUNCTION: "tool",
 }
 _IGNORED_BLOCKS = {"CachePoint", "ThinkingBlock"}
+# EpicLLM's chat keywords besides the sampling options: retrieved chunks passed explicitly (and with them the
+# RagRequest template, `{context}` and `{question}` slots), as ChatEpic takes them.
+_CHAT_KEYWORDS = ("chunks", "template")
 
 
 def node_llm_text(node: BaseNode) -> str:
     """The text of a node as response synthesis puts it into the prompt (metadata header included)."""
     return node.get_content(metadata_mode=MetadataMode.LLM).strip()
+
+
+def _chunk(c: Any) -> str | ChunkRef:
+    if isinstance(c, NodeWithScore):
+        c = c.node
+    if isinstance(c, BaseNode):
+        return node_llm_text(c)
+    if isinstance(c, (str, ChunkRef)):
+        return c
+    raise ValueError(f"chunks must be str, ChunkRef or a LlamaIndex node, got {type(c).__name__}")
 
 
 def _message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
@@ -167,8 +187,10 @@ class EpicLLM(CustomLLM):
         )
 
     # ------------------------------------------------------------------ requests
-    def _sampling(self, kwargs: dict[str, Any]):
-        return sampling_of(self, kwargs, defaults=option_defaults(self, self.additional_kwargs))
+    def _sampling(self, kwargs: dict[str, Any], passthrough: tuple[str, ...] = ()):
+        return sampling_of(
+            self, kwargs, defaults=option_defaults(self, self.additional_kwargs), passthrough=passthrough
+        )
 
     def _completion_request(self, prompt: str, formatted: bool):
         if formatted:
@@ -180,10 +202,28 @@ class EpicLLM(CustomLLM):
         ]
         return self.engine.render_messages(messages)
 
-    def _chat_request(self, messages: Sequence[ChatMessage]):
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]):
+        chunks = kwargs.get("chunks")
+        if chunks:  # an empty list (nothing retrieved) falls through to a plain chat prompt
+            dicts = _message_dicts(messages)
+            rest = [d for d in dicts if d["role"] != "system"]
+            if len(rest) != 1 or rest[0]["role"] != "user":
+                raise ValueError("with chunks=, the messages must be system messages and one user question")
+            return RagRequest(
+                question=rest[0]["content"],
+                chunks=[_chunk(c) for c in chunks],
+                system="\n\n".join(d["content"] for d in dicts if d["role"] == "system") or None,
+                template=kwargs.get("template"),
+            )
+        if kwargs.get("template") is not None:
+            raise ValueError("template= applies to a request with chunks=; without them, format your own messages")
         if self.messages_to_prompt is not generic_messages_to_prompt:  # the caller's own prompt format
             return self.messages_to_prompt(messages)
         return self.engine.render_messages(_message_dicts(messages))
+
+    def _chat_call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]):
+        """A chat call's engine request and sampling keywords."""
+        return self._chat_request(messages, kwargs), self._sampling(kwargs, _CHAT_KEYWORDS)
 
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()
@@ -210,25 +250,29 @@ class EpicLLM(CustomLLM):
         return _astream(self.engine.astream_events(req, **self._sampling(kwargs)), _as_completion)
 
     # ------------------------------------------------------------------ chat
+    # Per call, `chunks=[...]` (texts, ChunkRefs, nodes) with the messages as system messages and one user
+    # question hands the chunks to the engine explicitly (a RagRequest; `template=` its user message).
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        g = self.engine.generate(self._chat_request(messages), **self._sampling(kwargs))
+        req, kw = self._chat_call(messages, kwargs)
+        g = self.engine.generate(req, **kw)
         return _as_chat(g.text, None, g)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return _stream(self.engine.stream_events(self._chat_request(messages), **self._sampling(kwargs)), _as_chat)
+        req, kw = self._chat_call(messages, kwargs)
+        return _stream(self.engine.stream_events(req, **kw), _as_chat)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        req = self._chat_request(messages)
-        g = await self.engine.agenerate(req, **self._sampling(kwargs))
+        req, kw = self._chat_call(messages, kwargs)
+        g = await self.engine.agenerate(req, **kw)
         return _as_chat(g.text, None, g)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        req = self._chat_request(messages)
-        return _astream(self.engine.astream_events(req, **self._sampling(kwargs)), _as_chat)
+        req, kw = self._chat_call(messages, kwargs)
+        return _astream(self.engine.astream_events(req, **kw), _as_chat)
 
     # Structured prediction: LlamaIndex's default program for a non-function-calling LLM prompts with the
     # schema and parses the completion (PydanticOutputParser); the engine also constrains decoding to the
@@ -409,8 +453,8 @@ class _Stats:
         self.stats: dict[str, Any] | None = None
         self.target: dict[str, Any] | None = None
 
-    def put(self, g: Generation) -> None:
-        self.stats = generation_stats(g)
+    def put(self, stats: dict[str, Any]) -> None:
+        self.stats = dict(stats)
         if self.target is not None:
             self.target.update(self.stats)
 
@@ -424,6 +468,12 @@ class _Stats:
         if self.stats is not None:
             self.target.update(self.stats)
         return response
+
+
+# The figures of the synthesis under way in this thread / task: get_response leaves them here and
+# _prepare_response_output (called next by BaseSynthesizer.synthesize) puts them into the Response, so
+# synthesize itself stays BaseSynthesizer's (one span, no private keyword in its arguments).
+_PENDING_STATS: ContextVar[_Stats | None] = ContextVar("epic_synthesizer_stats", default=None)
 
 
 log = logging.getLogger(__name__)
@@ -494,16 +544,21 @@ class EpicSynthesizer(BaseSynthesizer):
             self._template = _rag_template(prompt)  # a template without both slots fails here
             self._qa_prompt = prompt
 
-    def _request(self, query_str: str, text_chunks: Sequence[str], max_tokens: int):
+    def _llm_call(self, query_str: str, text_chunks: Sequence[str], response_kwargs: dict[str, Any]):
+        """The EpicLLM chat call answering `query_str` from the chunks: its messages (the system prompt and the
+        question) and keywords (sampling, and the chunks that fit the window, passed as `chunks=`)."""
+        kw = {**self._overrides, **response_kwargs}
+        max_tokens = self._epic._sampling(kw)["max_tokens"]  # an unknown option fails here, naming it
+        messages = ([ChatMessage(role=MessageRole.SYSTEM, content=self._system)] if self._system else []) + [
+            ChatMessage(role=MessageRole.USER, content=query_str)
+        ]
         chunks = [c.strip() for c in text_chunks if c and c.strip()]
-        if not chunks:  # nothing retrieved: a plain chat prompt
-            return self._epic.engine.render_messages(
-                ([{"role": "system", "content": self._system}] if self._system else [])
-                + [{"role": "user", "content": query_str}]
-            )
-        return self._pack(
-            RagRequest(question=query_str, chunks=chunks, system=self._system, template=self._template), max_tokens
-        )
+        if chunks:  # none: a plain chat prompt
+            req = self._pack(RagRequest(query_str, chunks, self._system, self._template), max_tokens)
+            kw["chunks"] = list(req.chunks)
+            if self._template is not None:
+                kw["template"] = self._template
+        return messages, kw
 
     def _pack(self, req: RagRequest, max_tokens: int) -> RagRequest:
         """The request with as many leading chunks (retrieval order: best first) as leave `max_tokens` of the
@@ -542,68 +597,50 @@ class EpicSynthesizer(BaseSynthesizer):
         log.info("EpicSynthesizer: %d of %d chunks fit the window", lo, len(req.chunks))
         return RagRequest(req.question, req.chunks[:lo], req.system, req.template)
 
+    # The LLM calls go through EpicLLM.chat / stream_chat (and their async forms), so LlamaIndex's
+    # instrumentation (LLMChat* events, spans) and callback handlers (TokenCountingHandler) see them.
     def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
-        stats: _Stats | None = response_kwargs.pop("_epic_stats", None)
-        kw = self._epic._sampling({**self._overrides, **response_kwargs})
-        req = self._request(query_str, text_chunks, kw["max_tokens"])
-        engine = self._epic.engine
+        stats = _Stats()
+        _PENDING_STATS.set(stats)
+        messages, kw = self._llm_call(query_str, text_chunks, response_kwargs)
         if not self._streaming:
-            g = engine.generate(req, **kw)
-            if stats is not None:
-                stats.put(g)
-            return g.text
-        events = engine.stream_events(req, **kw)
+            r = self._epic.chat(messages, **kw)
+            stats.put(r.additional_kwargs)
+            return r.message.content or ""
+        responses = self._epic.stream_chat(messages, **kw)
 
         def gen() -> Generator[str, None, None]:
-            for ev in events:
-                if isinstance(ev, Delta):
-                    yield ev.text
-                elif isinstance(ev, Generation) and stats is not None:
-                    stats.put(ev)
+            for r in responses:
+                if r.delta:
+                    yield r.delta
+                if r.additional_kwargs:  # the last item: the figures
+                    stats.put(r.additional_kwargs)
 
         return gen()
 
     async def aget_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
-        stats: _Stats | None = response_kwargs.pop("_epic_stats", None)
-        kw = self._epic._sampling({**self._overrides, **response_kwargs})
-        req = self._request(query_str, text_chunks, kw["max_tokens"])
-        engine = self._epic.engine
+        stats = _Stats()
+        _PENDING_STATS.set(stats)
+        messages, kw = self._llm_call(query_str, text_chunks, response_kwargs)
         if not self._streaming:
-            g = await engine.agenerate(req, **kw)
-            if stats is not None:
-                stats.put(g)
-            return g.text
-        events = engine.astream_events(req, **kw)
+            r = await self._epic.achat(messages, **kw)
+            stats.put(r.additional_kwargs)
+            return r.message.content or ""
+        responses = await self._epic.astream_chat(messages, **kw)
 
         async def gen() -> AsyncGenerator[str, None]:
-            async for ev in events:
-                if isinstance(ev, Delta):
-                    yield ev.text
-                elif isinstance(ev, Generation) and stats is not None:
-                    stats.put(ev)
+            async for r in responses:
+                if r.delta:
+                    yield r.delta
+                if r.additional_kwargs:
+                    stats.put(r.additional_kwargs)
 
         return gen()
 
-    def synthesize(
-        self,
-        query: Any,
-        nodes: list[NodeWithScore],
-        additional_source_nodes: Sequence[NodeWithScore] | None = None,
-        **response_kwargs: Any,
-    ):
-        stats = _Stats()
-        response = super().synthesize(query, nodes, additional_source_nodes, _epic_stats=stats, **response_kwargs)
-        return stats.attach(response) if nodes else response
-
-    async def asynthesize(
-        self,
-        query: Any,
-        nodes: list[NodeWithScore],
-        additional_source_nodes: Sequence[NodeWithScore] | None = None,
-        **response_kwargs: Any,
-    ):
-        stats = _Stats()
-        response = await super().asynthesize(
-            query, nodes, additional_source_nodes, _epic_stats=stats, **response_kwargs
-        )
-        return stats.attach(response) if nodes else response
+    def _prepare_response_output(self, response_str: Any, source_nodes: list[NodeWithScore]) -> Any:
+        response = super()._prepare_response_output(response_str, source_nodes)
+        stats = _PENDING_STATS.get()
+        if stats is None:
+            return response
+        _PENDING_STATS.set(None)
+        return stats.attach(response)
