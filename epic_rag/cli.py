@@ -131,7 +131,7 @@ def _load_extra_commands() -> None:
 
     if _EXTRA_COMMANDS:  # main() may run several times in one process (tests)
         return
-    for mod in ("epic_rag.store.cli", "apps.demo.cli", "epic_rag.bench.cli"):
+    for mod in ("epic_rag.store.cli", "epic_rag_demo.cli", "epic_rag.bench.cli"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

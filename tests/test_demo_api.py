@@ -12,9 +12,9 @@ import openai
 import pydantic
 import pytest
 
-from apps.demo.config import DemoConfig
-from apps.demo.server import BackgroundServer, create_app
 from epic_rag.policy import SINK_LEN
+from epic_rag_demo.config import DemoConfig
+from epic_rag_demo.server import BackgroundServer, create_app
 
 pytestmark = pytest.mark.smollm
 

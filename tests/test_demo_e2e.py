@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from apps.demo.config import DemoConfig
-from apps.demo.server import BackgroundServer, create_app
 from epic_rag.corpus import pydoc_documents
+from epic_rag_demo.config import DemoConfig
+from epic_rag_demo.server import BackgroundServer, create_app
 
 pytestmark = pytest.mark.smollm
 

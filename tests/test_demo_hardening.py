@@ -13,8 +13,8 @@ import httpx
 import pytest
 from test_demo_unit import FACTS, FakeEngine, HashEncoder
 
-from apps.demo.config import DemoConfig
-from apps.demo.server import BackgroundServer, create_app
+from epic_rag_demo.config import DemoConfig
+from epic_rag_demo.server import BackgroundServer, create_app
 
 
 @contextlib.contextmanager
@@ -148,7 +148,7 @@ def test_with_a_key_any_host_name_is_served(tmp_path):
 def test_non_loopback_bind_without_a_key_refuses_to_start(tmp_path, monkeypatch):
     import argparse
 
-    from apps.demo.cli import register
+    from epic_rag_demo.cli import register
 
     monkeypatch.delenv("EPIC_RAG_API_KEY", raising=False)
     parser = argparse.ArgumentParser()
@@ -156,7 +156,7 @@ def test_non_loopback_bind_without_a_key_refuses_to_start(tmp_path, monkeypatch)
     args = parser.parse_args(["demo", "--host", "0.0.0.0", "--data-dir", str(tmp_path), "--no-browser-needed"])
     assert args.func(args) == 2  # before the engine loads or a socket is bound
 
-    from apps.demo.access import check_bind
+    from epic_rag_demo.access import check_bind
 
     check_bind("0.0.0.0", "key", False)
     check_bind("0.0.0.0", None, True)
@@ -180,7 +180,7 @@ def test_api_key_is_checked_before_the_body_is_read(tmp_path):
 def test_a_non_ascii_api_key_works_and_is_compared_in_constant_time(tmp_path, monkeypatch):
     import hmac
 
-    from apps.demo import access
+    from epic_rag_demo import access
 
     calls, real = [], hmac.compare_digest
 
@@ -231,7 +231,7 @@ def test_engine_failures_return_a_request_id_not_internals_and_status_shows_no_p
 
 
 def test_a_redis_password_in_the_store_spec_never_reaches_the_log(caplog):
-    from apps.demo.config import open_demo_store
+    from epic_rag_demo.config import open_demo_store
 
     open_demo_store("memory+redis://:hunter2@127.0.0.1:1/0?timeout=0.1&bogus=1")
     assert "hunter2" not in caplog.text and ":***@" in caplog.text
@@ -298,8 +298,8 @@ def test_v1_completions_take_the_same_admission_slots_as_chats(tmp_path):
 def test_the_demos_default_disk_tier_has_a_byte_budget_and_evicts_least_recently_used(tmp_path):
     from test_store import make_kv
 
-    from apps.demo.config import open_demo_store
     from epic_rag.store import DiskStore, codec
+    from epic_rag_demo.config import open_demo_store
 
     assert "disk:" in DemoConfig(data_dir=tmp_path).store_spec
     disk = next(t for t in open_demo_store(DemoConfig(data_dir=tmp_path).store_spec).tiers if isinstance(t, DiskStore))
@@ -391,7 +391,7 @@ def test_an_engine_that_says_nothing_gets_keepalives_then_the_stream_ends_with_a
 
 # ---------------------------------------------------------------------- 9. tests that can fail
 def test_the_soak_memory_check_fails_on_growth_the_memory_tier_does_not_explain():
-    from apps.demo import soak
+    from epic_rag_demo import soak
 
     mib = 1 << 20
 

@@ -66,3 +66,23 @@ def test_cli_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"epic-rag {epic_rag.__version__}"
+
+
+def test_every_package_folder_is_installed_and_the_demo_installs_as_epic_rag_demo_not_apps():
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "epic_rag").rglob("__init__.py")} | {
+        "epic_rag_demo"
+    }
+    assert listed == found, listed ^ found
+    assert tool["package-dir"] == {"epic_rag_demo": "apps/demo"}
+    assert not any(name == "apps" or name.startswith("apps.") for name in listed)
+    assert not (ROOT / "apps" / "__init__.py").exists()  # a top-level `apps` package would shadow other apps'
+    r = subprocess.run(
+        [sys.executable, "-c", "import epic_rag_demo, importlib.util as u; print(u.find_spec('apps'))"],
+        cwd=ROOT.parent,  # outside the checkout: only what is installed can be imported
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "None", r.stdout + r.stderr

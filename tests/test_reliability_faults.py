@@ -32,12 +32,12 @@ from test_demo_unit import HashEncoder
 from test_reliability_inputs import engine_idle
 from test_store import mount_tmpfs_or_skip, readonly_dir  # noqa: F401  (fixture)
 
-from apps.demo.config import DemoConfig
-from apps.demo.server import BackgroundServer, create_app
 from epic_rag import RagRequest
 from epic_rag.engine.board import BOARD
 from epic_rag.store import DiskStore, MemoryStore, open_store
 from epic_rag.testing.localredis import LocalRedis
+from epic_rag_demo.config import DemoConfig
+from epic_rag_demo.server import BackgroundServer, create_app
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,7 @@
 hook) against the demo server's OpenAPI schema (FastAPI's /openapi.json) on loopback, served here on the
 tiny engine. The check is `not_a_server_error`: any 5xx or transport failure is a bug. A small run (20
 examples per operation) keeps this under a minute; the recorded, larger runs on SmolLM2 are in
-docs/bench/fuzz.md (`python -m apps.demo.soak fuzz`).
+docs/bench/fuzz.md (`python -m epic_rag_demo.soak fuzz`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import subprocess
 import pytest
 from test_demo_unit import HashEncoder
 
-from apps.demo.config import DemoConfig
-from apps.demo.server import BackgroundServer, create_app
-from apps.demo.soak import fuzz_command, summarize_fuzz_report
+from epic_rag_demo.config import DemoConfig
+from epic_rag_demo.server import BackgroundServer, create_app
+from epic_rag_demo.soak import fuzz_command, summarize_fuzz_report
 
 KEY = "fuzz-key"
 

@@ -23,11 +23,11 @@ import httpx
 import pytest
 from test_demo_unit import HashEncoder
 
-from apps.demo.config import DemoConfig
-from apps.demo.server import BackgroundServer, create_app
 from epic_rag import Chunk, ChunkRef, RagRequest
 from epic_rag.engine.board import BOARD
 from epic_rag.prompt import encode_text
+from epic_rag_demo.config import DemoConfig
+from epic_rag_demo.server import BackgroundServer, create_app
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "reliability-key"
@@ -664,7 +664,7 @@ def test_every_route_that_does_work_needs_the_api_key(server):
 
 
 def test_defaults_bind_loopback_only():
-    from apps.demo.cli import register
+    from epic_rag_demo.cli import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="cmd"))

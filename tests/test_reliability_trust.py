@@ -157,8 +157,8 @@ class _ConstEncoder:
 
 
 def test_embedding_cache_is_keyed_by_the_encoder(tmp_path):
-    from apps.demo.config import DemoConfig
-    from apps.demo.library import Library
+    from epic_rag_demo.config import DemoConfig
+    from epic_rag_demo.library import Library
 
     cfg = DemoConfig(data_dir=tmp_path, store="memory")
     a = Library(cfg, encoder=_ConstEncoder("enc-a", 0))._embed(["same text"], progress=True)
@@ -171,8 +171,8 @@ def test_embedding_cache_is_keyed_by_the_encoder(tmp_path):
 def test_concurrent_uploads_of_one_name_do_not_collide_and_are_owner_only(tmp_path):
     import threading
 
-    from apps.demo.config import DemoConfig
-    from apps.demo.library import Library
+    from epic_rag_demo.config import DemoConfig
+    from epic_rag_demo.library import Library
 
     lib = Library(DemoConfig(data_dir=tmp_path, store="memory"), encoder=_ConstEncoder("e", 0))
     errors: list[BaseException] = []
@@ -197,7 +197,7 @@ def test_concurrent_uploads_of_one_name_do_not_collide_and_are_owner_only(tmp_pa
 
 
 def test_progress_errors_are_bounded():
-    from apps.demo.library import MAX_ERRORS, Progress
+    from epic_rag_demo.library import MAX_ERRORS, Progress
 
     p = Progress()
     for i in range(MAX_ERRORS * 3):

@@ -10,7 +10,7 @@ __all__ = ["DemoConfig", "create_app"]
 
 
 def __getattr__(name: str):
-    if name == "create_app":  # FastAPI loads on demand: `import apps.demo` stays cheap for the CLI
+    if name == "create_app":  # FastAPI loads on demand: `import epic_rag_demo` stays cheap for the CLI
         from .server import create_app
 
         return create_app

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-log = logging.getLogger("apps.demo")
+log = logging.getLogger("epic_rag_demo")
 
 
 def register(subparsers) -> None:
@@ -125,7 +125,7 @@ def _progress_bars(library):
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    logging.getLogger("apps").setLevel(args.log_level.upper())
+    logging.getLogger("epic_rag_demo").setLevel(args.log_level.upper())
     cfg = _config(args)
     from epic_rag import EngineConfig
 

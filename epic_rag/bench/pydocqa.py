@@ -256,7 +256,7 @@ class Retriever:
 
 
 def open_samples(tokenizer, n: int, modules: tuple[str, ...] = tuple(PYDOC_MODULES)) -> list[Sample]:
-    from apps.demo.config import DemoConfig
+    from epic_rag_demo.config import DemoConfig
 
     cfg = DemoConfig()  # the demo's defaults: chunk size and top k
     mods = pydoc_modules(modules)

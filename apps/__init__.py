@@ -1,1 +1,0 @@
-"""Applications built on epic_rag (the demo chat server lives in apps.demo)."""
