@@ -121,7 +121,9 @@ def write_corpus(folder: Path) -> dict[str, tuple[str, str, str]]:
 class DemoProcess:
     """`epic-rag demo` in its own process on 127.0.0.1 (a free port), logs to a file."""
 
-    def __init__(self, corpus: Path, data_dir: Path, key: str = KEY, log: Path | None = None) -> None:
+    def __init__(
+        self, corpus: Path, data_dir: Path, key: str = KEY, log: Path | None = None, extra_args: list[str] = ()
+    ) -> None:
         from epic_rag.testing.localredis import free_port
 
         self.port = free_port()
@@ -144,6 +146,7 @@ class DemoProcess:
             "--no-browser-needed",
             "--log-level",
             "warning",
+            *extra_args,
         ]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
