@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epic_rag.engine.layout import CpuAttnLayout, FlashAttnLayout, LayoutError, slots_for
+from epic_rag.engine.layout import CpuAttnLayout, FlashAttnLayout, LayoutError, query_runs, slots_for
 from epic_rag.engine.rope import KeyRotator, RopeError
 
 ROPES = {
@@ -53,6 +53,23 @@ def test_rotation_by_zero_is_identity_and_out_of_table_shift_is_refused():
     assert torch.equal(rot.rotate(k, 0), k)
     with pytest.raises(RopeError):
         rot.rotate(k, 10**7)
+
+
+def test_rotator_keeps_fp32_tables_per_device_and_rotates_on_the_keys_device():
+    # The tables go to the keys' device once and stay there (CUDA keys must not multiply CPU rows, nor
+    # copy a row to the GPU per call); "meta" stands in for a GPU here.
+    rot = KeyRotator(_rope(ROPES["llama3"]))
+    cos, sin = rot.tables("cpu")
+    assert cos is rot.cos and sin is rot.sin and cos.dtype == torch.float32
+    mcos, msin = rot.tables("meta")
+    assert mcos.device.type == msin.device.type == "meta" and mcos.dtype == msin.dtype == torch.float32
+    assert rot.tables(torch.device("meta"))[0] is mcos and mcos.shape == cos.shape
+    out = rot.rotate(torch.empty((2, 5, 3, 64), dtype=torch.bfloat16, device="meta"), -17)
+    assert out.device.type == "meta" and out.dtype == torch.float32 and out.shape == (2, 5, 3, 64)
+    # 16-bit keys are rotated in fp32 from their rounded values; a negative shift undoes a positive one.
+    k = torch.randn((2, 5, 3, 64), dtype=torch.bfloat16)
+    assert torch.equal(rot.rotate(k, 300), rot.rotate(k.float(), 300))
+    assert torch.allclose(rot.rotate(rot.rotate(k, 300), -300), k.float(), atol=1e-5)
 
 
 def test_non_shiftable_rope_is_refused():
@@ -182,6 +199,13 @@ def test_cpu_kernel_attention_over_pages_equals_masked_attention(runs):
     ref = _reference_attention(q, K, V, R, attn.impl.scale)
     assert torch.allclose(out.view(len(R), Hq, D), ref, atol=1e-5)
     assert torch.equal(layout.read_range(cache, block_ids, 0, T)[0], K)  # R's fresh keys were stored
+
+
+def test_query_runs_are_kernel_sequences_ending_at_each_runs_last_position():
+    R = torch.cat([torch.arange(0, 3), torch.arange(40, 56), torch.tensor([130])])
+    qsl, seq_lens = query_runs(R)
+    assert qsl.tolist() == [0, 3, 19, 20] and seq_lens.tolist() == [3, 56, 131]
+    assert qsl.dtype == seq_lens.dtype == torch.int32
 
 
 def test_cpu_kernel_attention_is_not_planned_outside_the_links_range_or_for_scattered_picks():

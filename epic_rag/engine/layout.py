@@ -36,6 +36,17 @@ def slots_for(block_ids: list[int] | torch.Tensor, positions: torch.Tensor, bloc
     return bids[positions // block_size] * block_size + positions % block_size
 
 
+def query_runs(R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of consecutive positions in R (sorted, non-empty) as kernel "sequences": run i holds the
+    queries [query_start_loc[i], query_start_loc[i+1]) of R and attends keys [0, seq_lens[i]), its last
+    position + 1, so a bottom-right causal mask is the prompt's causal mask.
+    # R: [nR] -> query_start_loc: [runs + 1] int32, seq_lens: [runs] int32 (both on the CPU)"""
+    brk = torch.nonzero(R[1:] != R[:-1] + 1).flatten().add(1)
+    ends = torch.cat([brk, torch.tensor([len(R)], device=R.device)])  # [runs]
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), ends.to(torch.int32).cpu()])
+    return qsl, (R[ends - 1] + 1).to(torch.int32).cpu()
+
+
 class KVLayout(ABC):
     name: str = "?"
 
@@ -225,17 +236,15 @@ class CpuAttnLayout(KVLayout):
         # Only positions this link owns may be written: [start, end) (below start are shared prefix blocks).
         if len(R) == 0 or int(R[0]) < start or int(R[-1]) >= end:
             return None
-        brk = torch.nonzero(R[1:] != R[:-1] + 1).flatten().add(1)
-        ends = torch.cat([brk, torch.tensor([len(R)], device=R.device)])  # [runs]
-        if len(ends) > self.MAX_KERNEL_RUNS:
+        qsl, seq_lens = query_runs(R)
+        runs = len(seq_lens)
+        if runs > self.MAX_KERNEL_RUNS:
             return None
-        qsl = torch.cat([torch.zeros(1, dtype=torch.int32), ends.to(torch.int32).cpu()])
-        seq_lens = (R[ends - 1] + 1).to(torch.int32).cpu()
         N = cache.shape[2]
         nblk = -(-int(seq_lens[-1]) // N)
-        bt = torch.as_tensor(block_ids[:nblk], dtype=torch.int32).expand(len(ends), nblk).contiguous()
+        bt = torch.as_tensor(block_ids[:nblk], dtype=torch.int32).expand(runs, nblk).contiguous()
         sched = vllm_api.cpu_ops().cpu_attn_get_scheduler_metadata(
-            num_reqs=len(ends),
+            num_reqs=runs,
             num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_size,

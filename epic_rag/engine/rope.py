@@ -41,8 +41,19 @@ class KeyRotator:
         self.is_neox = bool(rotary.is_neox_style)
         cos, sin = vllm_api.rotary_table(rotary).chunk(2, dim=-1)  # cos, sin: [P, rot/2]
         norm = torch.sqrt(cos * cos + sin * sin)
-        self.cos, self.sin = cos / norm, sin / norm
+        self.cos, self.sin = cos / norm, sin / norm  # fp32, on the device the table was computed on (CPU)
         self.max_position = cos.shape[0]
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {self.cos.device: (self.cos, self.sin)}
+
+    def tables(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unit cos/sin tables (fp32, [P, rot/2] each) on `device`: copied there once, then kept, so
+        rotating CUDA keys indexes a CUDA table instead of copying a CPU row to the GPU on every call."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in self._tables:
+            self._tables[device] = (self.cos.to(device), self.sin.to(device))
+        return self._tables[device]
 
     def rotate(self, k: torch.Tensor, delta: int) -> torch.Tensor:
         """k: [..., T, H, D] post-RoPE keys -> the same keys rotated by `delta` positions (fp32)."""
@@ -50,10 +61,12 @@ class KeyRotator:
             return k.float()
         if not abs(delta) < self.max_position:
             raise RopeError(f"position shift {delta} outside the rotary table (|shift| < {self.max_position})")
-        # R(-d) = R(d) transposed: same cos, negated sin (a chunk compiled behind sink tokens may land at 0).
-        cos, sin = self.cos[abs(delta)], self.sin[abs(delta)] * (1.0 if delta > 0 else -1.0)  # [rot/2]
         k = k.float()
-        cos, sin = cos.to(k.device), sin.to(k.device)
+        cos_t, sin_t = self.tables(k.device)
+        # R(-d) = R(d) transposed: same cos, negated sin (a chunk compiled behind sink tokens may land at 0).
+        cos, sin = cos_t[abs(delta)], sin_t[abs(delta)]  # [rot/2], on k's device
+        if delta < 0:
+            sin = -sin
         rot = self.rotary_dim
         x, rest = k[..., :rot], k[..., rot:]
         if self.is_neox:
