@@ -8,8 +8,8 @@ setup:
 # The README's test command: sets up what is missing, then runs every test on CPU.
 # vLLM keeps one KV connector per process, so tiny-model, SmolLM2 and Qwen tests run as three pytest sessions.
 test: setup
-	$(VENV)/ruff check epic_rag apps tests
-	$(VENV)/ruff format --check epic_rag apps tests
+	$(VENV)/ruff check epic_rag apps tests scripts
+	$(VENV)/ruff format --check epic_rag apps tests scripts
 	$(PYTEST) -m "not smollm and not qwen" tests
 	$(PYTEST) -m smollm tests
 	$(PYTEST) -m qwen tests
