@@ -351,7 +351,7 @@ def flash_attn_pkg(q, K, V, qsl, seq_lens, scale) -> torch.Tensor:
 
 
 def attention_setup(device, dtype, T, seed=3):
-    from epic_rag.engine.linker import _LinkAttention
+    from epic_rag.engine.linker import _LinkAttention, _Seq
 
     g = torch.Generator().manual_seed(seed)
     R = legolink_R(T).to(device)
@@ -371,7 +371,9 @@ def attention_setup(device, dtype, T, seed=3):
     real = SimpleNamespace(num_heads=HQ, num_kv_heads=HK, head_size=D, impl=SimpleNamespace(scale=scale))
 
     def buffer_path():
-        shim = _LinkAttention(real, K0.clone(), V0.clone(), R)
+        # One request, one layer: buffers [L=1, Hkv, T, D]; no job is needed on the buffer path.
+        seq = _Seq(load=None, R=R, cached=None, candidate=None, K=K0.clone()[None], V=V0.clone()[None])
+        shim = _LinkAttention(real, 0, [seq])
         return shim(q.to(dtype).reshape(nR, -1), k.to(dtype).reshape(nR, -1), v.to(dtype).reshape(nR, -1))
 
     return SimpleNamespace(R=R, q=q, k=k, v=v, K0=K0, V0=V0, Kf=Kf, Vf=Vf, scale=scale, buffer_path=buffer_path)

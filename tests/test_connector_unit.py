@@ -12,8 +12,8 @@ class _Linker:
     def __init__(self) -> None:
         self.linked = []
 
-    def link(self, job, block_ids, start, end):
-        self.linked.append((job, block_ids, start, end))
+    def link_many(self, loads):
+        self.linked.append([(ld.job, ld.block_ids, ld.start, ld.end) for ld in loads])
 
 
 def _worker(meta: conn.EpicMeta, block_size: int = 16) -> conn.EpicConnector:
@@ -43,7 +43,34 @@ def test_a_load_whose_job_is_on_the_board_is_linked_and_reports_no_failure():
     try:
         c = _worker(conn.EpicMeta(loads=[conn.LoadSpec("req-2", "job-present", [7, 8], 0, 20)]))
         c.start_load_kv(None)
-        assert [(b, s, e) for _, b, s, e in c.linker.linked] == [([7, 8], 0, 20)]
+        assert [[(b, s, e) for _, b, s, e in batch] for batch in c.linker.linked] == [[([7, 8], 0, 20)]]
         assert c.get_block_ids_with_load_errors() == set()
     finally:
         BOARD.drop_job("job-present")
+
+
+def test_every_load_of_a_step_is_linked_in_one_batch_and_a_failed_batch_fails_each_job_without_raising():
+    from types import SimpleNamespace
+
+    jobs = [SimpleNamespace(job_id=f"job-batch-{i}", error=None) for i in range(3)]
+    for j in jobs:
+        BOARD.post_job(j)
+    loads = [conn.LoadSpec(f"req-{i}", j.job_id, [i], 0, 10) for i, j in enumerate(jobs)]
+    loads.insert(1, conn.LoadSpec("req-gone", "job-not-on-the-board", [5], 0, 10))
+    try:
+        c = _worker(conn.EpicMeta(loads=loads))
+        c.start_load_kv(None)
+        assert [[j for j, *_ in batch] for batch in c.linker.linked] == [jobs]  # one call, the gone one left out
+        assert c.get_block_ids_with_load_errors() == {5}
+
+        def broken(batch):
+            batch[0].job.error = "its own data was bad"  # failed alone by the linker before the pass
+            raise RuntimeError("simulated fault in the batched pass")
+
+        c.linker.link_many = broken
+        c.start_load_kv(None)  # never raises into vLLM's step
+        assert jobs[0].error == "its own data was bad"
+        assert [j.error for j in jobs[1:]] == ["RuntimeError: simulated fault in the batched pass"] * 2
+    finally:
+        for j in jobs:
+            BOARD.drop_job(j.job_id)

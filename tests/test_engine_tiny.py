@@ -223,10 +223,10 @@ def test_prefix_policy_reuses_exact_prefixes_and_matches_full(tiny_engine):
 def test_a_failed_link_is_never_served(tiny_engine, monkeypatch):
     from epic_rag.engine import linker
 
-    def broken(self, job, *a, **k):
+    def broken(self, loads):
         raise RuntimeError("simulated linker fault")
 
-    monkeypatch.setattr(linker.Linker, "link", broken)
+    monkeypatch.setattr(linker.Linker, "link_many", broken)
     with pytest.raises(RuntimeError, match="linking failed"):
         tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")
     monkeypatch.undo()
@@ -320,3 +320,152 @@ def test_leading_glue_is_never_written_to_the_shared_store(tiny_engine):
         assert any(k.startswith("plain-") for k in tiny_engine.chunks.glue.keys())  # cached in-process instead
     finally:
         tiny_engine.store = old
+
+
+def _in_one_step(engine, calls):
+    """Run `calls` (each makes one engine request) from threads, with the engine thread held before it adds
+    new requests until all of them wait in its inbox: vLLM then gets them together and schedules (so the
+    connector links) them in the same step. Returns each call's result or the exception it raised."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    rt = engine.runtime
+    gate, held, lock = threading.Event(), threading.Event(), threading.Lock()
+    drain, submit = rt._drain, rt.submit
+    submitted = [0]  # requests put in the inbox (finished requests put aborts there too: not counted)
+
+    def hold():
+        held.set()
+        gate.wait()  # always set by the finally below
+        drain()
+
+    def counted_submit(*a, **k):
+        submit(*a, **k)
+        with lock:
+            submitted[0] += 1
+
+    def outcome(call):
+        try:
+            return call()
+        except Exception as e:
+            return e
+
+    rt._drain, rt.submit = hold, counted_submit  # the engine thread's next loop waits in hold
+    with ThreadPoolExecutor(len(calls)) as pool:
+        try:
+            assert held.wait(30), "the engine thread did not come round to take new requests"
+            futs = [pool.submit(outcome, c) for c in calls]
+            deadline = time.monotonic() + 300
+            while submitted[0] < len(calls) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            queued = submitted[0]
+        finally:  # the engine thread is never left held, even when this fails
+            del rt._drain, rt.submit
+            gate.set()
+        results = [f.result() for f in futs]
+    assert queued == len(calls), f"{queued} of {len(calls)} requests reached the engine together: {results}"
+    return results
+
+
+def _linker():
+    from epic_rag.engine import vllm_api
+
+    return vllm_api.kv_connector().linker  # in-process engine core: the worker's connector is this process's
+
+
+BATCH = [  # (chunks, policy): different chunk orders and lengths
+    (CHUNKS, "legolink-16"),
+    (CHUNKS[::-1], "legolink-16"),
+    (CHUNKS[1:], "legolink-16"),
+    ([CHUNKS[2], CHUNKS[0]], "legolink-16"),
+]
+MIXED = [
+    (CHUNKS, "naive"),
+    (CHUNKS[::-1], "legolink-9999"),
+    ([CHUNKS[2], CHUNKS[0], CHUNKS[1]], "cacheblend-15"),
+    (CHUNKS[1:], "legolink-16"),
+    (CHUNKS, "cacheblend-15"),
+]
+
+
+@pytest.mark.parametrize("batch", [BATCH, MIXED], ids=["legolink-16", "mixed-policies"])
+def test_requests_linked_in_one_step_are_recomputed_in_one_batch_and_equal_one_by_one(tiny_engine, batch):
+    one_by_one = [tiny_engine.generate(_req(c), max_tokens=12, policy=p) for c, p in batch]  # compiles too
+    before = dict(_linker().batch_sizes)
+    got = _in_one_step(
+        tiny_engine, [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=12, policy=p) for c, p in batch]
+    )
+    sizes = _linker().batch_sizes
+    assert sizes[len(batch)] == before.get(len(batch), 0) + 1, dict(sizes)  # one pass linked all of them
+    for (chunks, pol), ref, g in zip(batch, one_by_one, got):
+        assert not isinstance(g, Exception), (pol, g)
+        assert g.token_ids == ref.token_ids, pol
+        assert g.recomputed_tokens == ref.recomputed_tokens and g.linked_tokens == ref.linked_tokens, pol
+        if pol == "legolink-9999":  # recomputes every chunk token: exact
+            assert g.token_ids == tiny_engine.generate(_req(chunks), max_tokens=12, policy="full").token_ids
+
+
+def test_one_bad_job_in_a_batch_fails_only_its_request(tiny_engine, monkeypatch):
+    from epic_rag.engine.board import LinkJob
+
+    initial_recompute = LinkJob.initial_recompute
+
+    def drops_uncached_tokens(self):  # the legolink-7 job's own data is broken: nothing recomputed
+        return initial_recompute(self)[:0] if self.policy.name == "legolink-7" else initial_recompute(self)
+
+    batch = [(CHUNKS, "legolink-16"), (CHUNKS[::-1], "legolink-7"), (CHUNKS[1:], "cacheblend-15")]
+    refs = [tiny_engine.generate(_req(c), max_tokens=8, policy=p) for c, p in batch]
+    monkeypatch.setattr(LinkJob, "initial_recompute", drops_uncached_tokens)
+    before = dict(_linker().batch_sizes)
+    got = _in_one_step(
+        tiny_engine, [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=8, policy=p) for c, p in batch]
+    )
+    assert _linker().batch_sizes[2] == before.get(2, 0) + 1  # the two good ones still linked together
+    assert isinstance(got[1], RuntimeError) and "uncached token not recomputed" in str(got[1])
+    assert [g.token_ids for g in (got[0], got[2])] == [refs[0].token_ids, refs[2].token_ids]
+
+
+def test_a_fault_in_the_batched_pass_fails_every_request_of_the_batch_and_the_engine_keeps_serving(
+    tiny_engine, monkeypatch
+):
+    from epic_rag.engine import vllm_api
+    from epic_rag.engine.board import BOARD
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated fault in a decoder layer")
+
+    batch = [(CHUNKS, "legolink-16"), (CHUNKS[::-1], "naive")]
+    monkeypatch.setattr(vllm_api, "decoder_layer_forward", broken)
+    got = _in_one_step(
+        tiny_engine, [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=4, policy=p) for c, p in batch]
+    )
+    for g in got:
+        assert isinstance(g, RuntimeError) and "linking failed" in str(g) and "simulated fault" in str(g), g
+    monkeypatch.undo()
+    assert BOARD.pending() == (0, 0)
+    assert tiny_engine.generate(_req(), max_tokens=4, policy="legolink-16").token_ids
+
+
+def test_a_batch_mixing_kernel_and_buffer_attention_equals_one_by_one(tiny_engine, monkeypatch):
+    from epic_rag.engine.layout import CpuAttnLayout
+
+    # Which requests attend with the kernel: those with an even number of recomputed tokens (a property of
+    # the request alone, so one by one and batched take the same paths); the rest attend over buffers.
+    can_attend, attention_plan, planned = CpuAttnLayout.can_attend, CpuAttnLayout.attention_plan, []
+
+    def plan(self, cache, seqs, attn):
+        planned.append(len(seqs))
+        return attention_plan(self, cache, seqs, attn)
+
+    monkeypatch.setattr(
+        CpuAttnLayout, "can_attend", lambda self, R, a, b: can_attend(self, R, a, b) and len(R) % 2 == 0
+    )
+    monkeypatch.setattr(CpuAttnLayout, "attention_plan", plan)
+    refs = [tiny_engine.generate(_req(c), max_tokens=12, policy=p) for c, p in MIXED]
+    planned.clear()
+    got = _in_one_step(
+        tiny_engine, [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=12, policy=p) for c, p in MIXED]
+    )
+    assert any(0 < n < len(MIXED) for n in planned), planned  # one kernel call for some, buffers for the others
+    assert [g.token_ids for g in got] == [r.token_ids for r in refs]

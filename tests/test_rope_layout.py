@@ -193,7 +193,7 @@ def test_cpu_kernel_attention_over_pages_equals_masked_attention(runs):
     cached = torch.ones(T, dtype=torch.bool)
     cached[R] = False
     layout.write_range(cache, block_ids, 0, T, torch.where(cached[:, None, None], K, 0.0), V)  # R's K not yet
-    plan = layout.attention_plan(cache, block_ids, R, 0, T, attn)
+    plan = layout.attention_plan(cache, [(block_ids, R)], attn)
     q = torch.randn(len(R), Hq, D)
     out = layout.attend(plan, attn, cache, q.view(len(R), -1), K[R].reshape(len(R), -1), V[R].reshape(len(R), -1))
     ref = _reference_attention(q, K, V, R, attn.impl.scale)
@@ -209,14 +209,46 @@ def test_query_runs_are_kernel_sequences_ending_at_each_runs_last_position():
 
 
 def test_cpu_kernel_attention_is_not_planned_outside_the_links_range_or_for_scattered_picks():
-    layout, attn = CpuAttnLayout("vec"), _FakeAttn(6, 2, 64)
-    cache = torch.zeros((6, 2, 128, 128))
+    layout = CpuAttnLayout("vec")
     R = torch.arange(10, 20)
-    assert layout.attention_plan(cache, [0, 1, 2], R, 12, 300, attn) is None  # would overwrite shared prefix
-    assert layout.attention_plan(cache, [0, 1, 2], R, 0, 15, attn) is None  # beyond the claimed range
+    assert layout.can_attend(R, 0, 300)
+    assert not layout.can_attend(R, 12, 300)  # would overwrite shared prefix
+    assert not layout.can_attend(R, 0, 15)  # beyond the claimed range
     scattered = torch.arange(0, 2 * (CpuAttnLayout.MAX_KERNEL_RUNS + 1), 2)
-    assert layout.attention_plan(cache, [0, 1, 2], scattered, 0, 300, attn) is None
-    assert FlashAttnLayout().attention_plan(cache, [0, 1, 2], R, 0, 300, attn) is None
+    assert not layout.can_attend(scattered, 0, 300)
+    assert not layout.can_attend(R[:0], 0, 300)
+    assert not FlashAttnLayout().can_attend(R, 0, 300)
+
+
+def test_one_cpu_kernel_plan_for_several_requests_equals_each_ones_masked_attention():
+    # A batched link: each request's runs are kernel sequences over its own block table, packed in one call.
+    N, Hq, Hk, D = 32, 6, 2, 64
+    layout, attn = CpuAttnLayout("vec"), _FakeAttn(Hq, Hk, D)
+    cache = torch.zeros((12, Hk, N, 2 * D))
+    reqs = [  # (block_ids, T, runs of R)
+        ([3, 0, 5], 70, [(0, 3), (40, 56), (69, 70)]),
+        ([7, 1, 9, 2], 120, [(0, 120)]),
+        ([11], 20, [(4, 9), (15, 17)]),
+    ]
+    seqs, qs, ks, vs, refs = [], [], [], [], []
+    for block_ids, T, runs in reqs:
+        K, V = torch.randn(T, Hk, D), torch.randn(T, Hk, D)
+        R = torch.cat([torch.arange(a, b) for a, b in runs])
+        cached = torch.ones(T, dtype=torch.bool)
+        cached[R] = False
+        layout.write_range(cache, block_ids, 0, T, torch.where(cached[:, None, None], K, 0.0), V)
+        assert layout.can_attend(R, 0, T)
+        q = torch.randn(len(R), Hq, D)
+        seqs.append((block_ids, R))
+        qs.append(q.view(len(R), -1))
+        ks.append(K[R].reshape(len(R), -1))
+        vs.append(V[R].reshape(len(R), -1))
+        refs.append((_reference_attention(q, K, V, R, attn.impl.scale), block_ids, T, K))
+    plan = layout.attention_plan(cache, seqs, attn)
+    out = layout.attend(plan, attn, cache, torch.cat(qs), torch.cat(ks), torch.cat(vs))  # [sum nR, Hq*D]
+    for got, (ref, block_ids, T, K) in zip(out.split([len(R) for _, R in seqs]), refs):
+        assert torch.allclose(got.view(-1, Hq, D), ref, atol=1e-5)
+        assert torch.equal(layout.read_range(cache, block_ids, 0, T)[0], K)  # R's fresh keys stored in its pages
 
 
 def _amx_bf16() -> bool:
@@ -253,7 +285,7 @@ def test_amx_bf16_layout_is_probed_and_its_kernel_attention_equals_masked_attent
     cached = torch.ones(T, dtype=torch.bool)
     cached[R] = False
     layout.write_range(cache, block_ids, 0, T, torch.where(cached[:, None, None], K, 0.0), V)
-    plan = layout.attention_plan(cache, block_ids, R, 0, T, attn)
+    plan = layout.attention_plan(cache, [(block_ids, R)], attn)
     q = torch.randn(len(R), Hq, D).to(torch.bfloat16)
     out = layout.attend(plan, attn, cache, q.view(len(R), -1), K[R].reshape(len(R), -1), V[R].reshape(len(R), -1))
     ref = _reference_attention(q.float(), K.float(), V.float(), R, attn.impl.scale)

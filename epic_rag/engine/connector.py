@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from . import rope, vllm_api
 from .board import BOARD
 from .layout import layout_for
-from .linker import Linker
+from .linker import Linker, LinkLoad
 
 log = logging.getLogger(__name__)
 
@@ -172,16 +172,19 @@ class EpicConnector(KVConnectorBase_V1):
         }
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        """Worker, before the step's forward: link every request in this step's loads (writes their
-        claimed pages in every layer). A failure is recorded on the job, never raised: the engine then
-        discards that request's answer before any token is passed on. A load whose job is no longer on the
-        board (the caller dropped it) cannot be filled and has no job to flag: its blocks are reported to
-        vLLM as failed loads (get_block_ids_with_load_errors), so vLLM fails that request (finish reason
-        "error", no token of this step passed on, the blocks dropped from its prefix cache) and the engine
-        raises instead of answering from unfilled pages."""
+        """Worker, before the step's forward: link every request in this step's loads, all in one batch
+        (one recompute pass per layer for all of them; writes their claimed pages in every layer). A failure
+        is recorded on the job, never raised: the engine then discards that request's answer before any
+        token is passed on. A request whose own data is invalid is failed alone by the linker; a failure of
+        the batched pass fails every request of the batch. A load whose job is no longer on the board (the
+        caller dropped it) cannot be filled and has no job to flag: its blocks are reported to vLLM as
+        failed loads (get_block_ids_with_load_errors), so vLLM fails that request (finish reason "error",
+        no token of this step passed on, the blocks dropped from its prefix cache) and the engine raises
+        instead of answering from unfilled pages."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, EpicMeta):
             return
+        batch: list[LinkLoad] = []
         for load in meta.loads:
             job = BOARD.job(load.job_id)
             if job is None:
@@ -193,11 +196,16 @@ class EpicConnector(KVConnectorBase_V1):
                     load.req_id,
                 )
                 continue
-            try:
-                self.linker.link(job, load.block_ids, load.start, load.end)
-            except Exception as e:  # never crash the engine step: the engine aborts this request
-                log.exception("linking %s failed", load.req_id)
-                job.error = f"{type(e).__name__}: {e}"
+            batch.append(LinkLoad(job, load.block_ids, load.start, load.end))
+        if not batch:
+            return
+        try:
+            self.linker.link_many(batch)
+        except Exception as e:  # never crash the engine step: the engine aborts these requests
+            log.exception("linking a batch of %d requests failed", len(batch))
+            for ld in batch:
+                if ld.job.error is None:
+                    ld.job.error = f"{type(e).__name__}: {e}"
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker, after the step: blocks this step failed to fill (vLLM fails the requests holding them;

@@ -82,12 +82,18 @@ class KVLayout(ABC):
         self.read_range_into(cache, block_ids, start, end, k, v)
         return k, v
 
+    def can_attend(self, R: torch.Tensor, start: int, end: int) -> bool:
+        """Whether the backend's own kernel can attend the queries at positions R of a request that owns
+        positions [start, end) of its pages (False where this layout has no such path: the linker then
+        attends over its buffers)."""
+        return False
+
     def attention_plan(
-        self, cache: torch.Tensor, block_ids: list[int], R: torch.Tensor, start: int, end: int, attn: torch.nn.Module
-    ) -> object | None:
-        """Metadata to attend the queries at positions R over a request's pages with the backend's own
-        kernel, or None where this layout has no such path (the linker then attends over its buffers)."""
-        return None
+        self, cache: torch.Tensor, seqs: list[tuple[list[int], torch.Tensor]], attn: torch.nn.Module
+    ) -> object:
+        """Metadata to attend, in one kernel call, the packed queries of several requests over their own
+        pages: `seqs` holds (block_ids, R) per request in packing order, each accepted by `can_attend`."""
+        raise NotImplementedError
 
     def attend(
         self,
@@ -98,7 +104,8 @@ class KVLayout(ABC):
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> torch.Tensor:
-        """Store k, v at R's slots, then attend q over the pages (see `attention_plan`).  # -> [nR, Hq*D]"""
+        """Store k, v at the packed R's slots, then attend q over the pages (see `attention_plan`).
+        # q: [n, Hq*D], k, v: [n, Hkv*D] (n: the plan's requests' nR summed) -> [n, Hq*D]"""
         raise NotImplementedError
 
     def self_check(self, like: torch.Tensor) -> None:
@@ -122,14 +129,15 @@ class KVLayout(ABC):
 
 @dataclass(slots=True)
 class CpuAttnPlan:
-    """vLLM CPU attention metadata for R's query runs: each run of consecutive positions [a, b) is one
-    "sequence" of the kernel with keys [0, b), so the kernel's bottom-right causal mask is exactly the
-    linked prompt's mask. All runs share the request's block table."""
+    """vLLM CPU attention metadata for the query runs of several requests, packed request after request:
+    each run of consecutive positions [a, b) of a request is one "sequence" of the kernel with keys [0, b)
+    read through that request's block table, so the kernel's bottom-right causal mask is exactly each
+    linked prompt's mask."""
 
-    slots: torch.Tensor  # [nR] int64
-    query_start_loc: torch.Tensor  # [runs + 1] int32
+    slots: torch.Tensor  # [n] int64: every packed query's slot in its own request's pages
+    query_start_loc: torch.Tensor  # [runs + 1] int32, over the packed queries
     seq_lens: torch.Tensor  # [runs] int32
-    block_table: torch.Tensor  # [runs, nblocks] int32
+    block_table: torch.Tensor  # [runs, nblocks] int32: each run's request's block ids (0-padded)
     scheduler_metadata: torch.Tensor
 
 
@@ -232,31 +240,44 @@ class CpuAttnLayout(KVLayout):
         if not (torch.equal(rk, k) and torch.equal(rv, v)):
             raise LayoutError(f"KV layout {self.name}: block reads differ from what was written")
 
-    def attention_plan(self, cache, block_ids, R, start, end, attn):
+    def can_attend(self, R, start, end):
         # Only positions this link owns may be written: [start, end) (below start are shared prefix blocks).
         if len(R) == 0 or int(R[0]) < start or int(R[-1]) >= end:
-            return None
-        qsl, seq_lens = query_runs(R)
-        runs = len(seq_lens)
-        if runs > self.MAX_KERNEL_RUNS:
-            return None
+            return False
+        return int((R[1:] != R[:-1] + 1).sum()) + 1 <= self.MAX_KERNEL_RUNS
+
+    def attention_plan(self, cache, seqs, attn):
         N = cache.shape[2]
-        nblk = -(-int(seq_lens[-1]) // N)
-        bt = torch.as_tensor(block_ids[:nblk], dtype=torch.int32).expand(runs, nblk).contiguous()
+        qsl, seq_lens, tables, slots, base = [torch.zeros(1, dtype=torch.int32)], [], [], [], 0
+        for block_ids, R in seqs:
+            Rc = R.cpu()
+            starts, lens = query_runs(Rc)  # [runs + 1], [runs]: keys [0, b) of each run
+            qsl.append(starts[1:] + base)
+            seq_lens.append(lens)
+            tables.append((block_ids[: -(-int(lens[-1]) // N)], len(lens)))
+            slots.append(slots_for(block_ids, Rc, N))
+            base += len(Rc)
+        qsl_t, lens_t = torch.cat(qsl), torch.cat(seq_lens)  # [runs + 1], [runs]
+        nblk = max(len(b) for b, _ in tables)
+        bt = torch.zeros((len(lens_t), nblk), dtype=torch.int32)  # [runs, nblk]; a run reads only its seq_len
+        row = 0
+        for b, runs in tables:
+            bt[row : row + runs, : len(b)] = torch.as_tensor(b, dtype=torch.int32)
+            row += runs
         sched = vllm_api.cpu_ops().cpu_attn_get_scheduler_metadata(
-            num_reqs=runs,
+            num_reqs=len(lens_t),
             num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_size,
-            seq_lens=seq_lens,
+            seq_lens=lens_t,
             dtype=cache.dtype,
-            query_start_loc=qsl,
+            query_start_loc=qsl_t,
             causal=True,
             sliding_window_size=-1,
             isa=self.isa,
             enable_kv_split=vllm_api.cpu_attn_split_kv(),
         )
-        return CpuAttnPlan(slots_for(block_ids, R.cpu(), N), qsl, seq_lens, bt, sched)
+        return CpuAttnPlan(torch.cat(slots), qsl_t, lens_t, bt, sched)
 
     def attend(self, plan, attn, cache, q, k, v):
         ops = vllm_api.cpu_ops()

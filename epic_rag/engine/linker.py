@@ -1,12 +1,15 @@
-"""LegoLink linker: assemble a request's KV from compiled chunks and recompute a few tokens.
+"""LegoLink linker: assemble requests' KV from compiled chunks and recompute a few tokens.
 
-Runs on the worker, inside vLLM's step, before the forward. It fills a K/V buffer for positions [0, T)
-with every linked chunk's cached KV, keys rotated to their real positions; then for each layer it runs
-the model's own decoder layer on the hidden states of the recompute set R only, with the attention
-module swapped for `_LinkAttention` (architecture details stay in vLLM's model code). The shim either
-writes R's fresh K/V into the paged cache (already holding the layer's cached KV) and attends with the
-backend's own kernel, or, where the layout offers no kernel path, attends over the buffer with a
-position-causal mask, the buffer being written into the pages after the layer.
+Runs on the worker, inside vLLM's step, before the forward. Every request that links in a step is linked
+in one batch (`Linker.link_many`). Per request it fills a K/V buffer for positions [0, T) with every
+linked chunk's cached KV, keys rotated to their real positions; then for each layer it runs the model's
+own decoder layer ONCE on the recompute sets R of all the batch's requests, packed one after another,
+with the attention module swapped for `_LinkAttention` (architecture details stay in vLLM's model code).
+The shim splits the packed rows back per request: a request on the kernel path has R's fresh K/V written
+into its pages (already holding the layer's cached KV) and attends with the backend's own kernel (one
+kernel call for every such request of the batch); a request where the layout offers no kernel path
+attends over its own buffer with a position-causal mask, the buffer being written into its pages after
+the layer.
 
 Recompute sets (R always holds every token without a cache: template glue, system prompt):
 - naive: nothing else;  legolink-k: the first k tokens of each chunk's span (its sink token first where
@@ -14,10 +17,13 @@ Recompute sets (R always holds every token without a cache: template glue, syste
 - cacheblend-r: every token through layers 0..CHECK_LAYER; at CHECK_LAYER the chunk tokens whose
   *keys* deviate most from the cache (L2 over heads and dims, after re-rotation: LMCache's rule)
   are kept, the top r fraction, and only they (plus uncached tokens) are recomputed in later layers.
+  The selection is made per request, then the batch is re-packed.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -28,49 +34,102 @@ from .board import LinkJob
 from .layout import KVLayout
 from .rope import KeyRotator
 
+log = logging.getLogger(__name__)
+
 CHECK_LAYER = 1  # CacheBlend selects its tokens from the deviation at this layer
 ATTN_BUCKET = 256  # recompute queries are grouped by position // ATTN_BUCKET for the sparse attention
 
 
-class _LinkAttention(torch.nn.Module):
-    """Stands in for vLLM's Attention during the sparse forward of one layer.
+@dataclass(slots=True)
+class LinkLoad:
+    """One request to link: its job and the positions [start, end) of its paged KV to fill."""
 
-    Gets post-RoPE q, k, v of the recompute set R, stores k, v into the layer's K/V buffers at R,
-    and attends each query over buffer positions <= its own.
+    job: LinkJob
+    block_ids: list[int]
+    start: int
+    end: int
+
+
+@dataclass(eq=False, slots=True)
+class _Seq:
+    """One request's state during a batched link."""
+
+    load: LinkLoad
+    R: torch.Tensor  # [nR] int64, sorted: positions recomputed from the current layer on
+    cached: torch.Tensor  # [T] bool: positions with chunk KV
+    candidate: torch.Tensor  # [T] bool: positions CacheBlend may pick
+    K: torch.Tensor | None = None  # [L, Hkv, T, D] fp32 (head-major), a view into the linker's workspace
+    V: torch.Tensor | None = None  # [L, Hkv, T, D]
+    paged: bool = False  # attends with the kernel (from the current layer on)
+    old_k: torch.Tensor | None = None  # [nR, Hkv, D] cached keys at R, kept by the shim at CHECK_LAYER
+
+    @property
+    def blend(self) -> bool:
+        return self.load.job.policy.kind == "cacheblend"
+
+
+class _LinkAttention(torch.nn.Module):
+    """Stands in for vLLM's Attention during the sparse forward of one layer over a packed batch.
+
+    Gets post-RoPE q, k, v of the concatenated recompute sets (request after request, in `seqs` order)
+    and attends each request's queries over its own positions <= theirs: buffer requests over their K/V
+    buffers (R's fresh K/V stored there first), kernel requests over their pages with one kernel call.
     """
 
     def __init__(
         self,
         real: torch.nn.Module,
-        K: torch.Tensor,
-        V: torch.Tensor,
-        R: torch.Tensor,
+        li: int,
+        seqs: list[_Seq],
         keep_old: bool = False,
         paged: tuple[KVLayout, object, torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
-        self.real = real
-        self.keep_old = keep_old  # CacheBlend compares fresh keys with the cached ones
+        self.real, self.li, self.seqs = real, li, seqs
+        self.keep_old = keep_old  # CacheBlend compares fresh keys with the cached ones (its requests only)
         self.num_heads, self.num_kv_heads = real.num_heads, real.num_kv_heads
         self.head_size, self.scale = real.head_size, real.impl.scale
-        self.K, self.V, self.R = K, V, R  # K, V: [Hkv, T, D] fp32 (head-major); R: [nR]
-        self.paged = paged  # (layout, plan, cache): attend with the backend's kernel
-        self.old_k: torch.Tensor | None = None
+        self.paged = paged  # (layout, plan, cache): the plan covers the requests with s.paged, in order
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         Hq, Hk, D = self.num_heads, self.num_kv_heads, self.head_size
-        R = self.R
-        if self.keep_old:
-            self.old_k = self.K[:, R].transpose(0, 1).clone()  # [nR, Hkv, D]
-        if self.paged is not None:
-            # The pages already hold every cached position of this layer; R's fresh K/V go in, then
-            # vLLM's own kernel attends (3x faster than the batched matmuls below, measured).
-            if self.keep_old:
-                self.K[:, R] = k.view(-1, Hk, D).transpose(0, 1).to(self.K.dtype)
+        kh, vh = k.view(-1, Hk, D), v.view(-1, Hk, D)  # [n, Hkv, D], n = sum of the requests' nR
+        out = torch.empty((q.shape[0], Hq * D), dtype=q.dtype, device=q.device)  # [n, Hq*D]
+        kernel_rows: list[torch.Tensor] = []
+        off = 0
+        for s in self.seqs:
+            R, n = s.R, len(s.R)
+            rows = slice(off, off + n)
+            off += n
+            if n == 0:
+                continue
+            K, V = s.K[self.li], s.V[self.li]  # [Hkv, T, D]
+            if self.keep_old and s.blend:
+                s.old_k = K[:, R].transpose(0, 1).clone()  # [nR, Hkv, D]
+            if s.paged:
+                # The pages already hold every cached position of this layer; R's fresh K/V go in with the
+                # kernel call below. CacheBlend reads its deviation from the buffer: fresh keys go there too.
+                if self.keep_old and s.blend:
+                    K[:, R] = kh[rows].transpose(0, 1).to(K.dtype)
+                kernel_rows.append(torch.arange(rows.start, rows.stop, device=q.device))
+                continue
+            K[:, R] = kh[rows].transpose(0, 1).to(K.dtype)
+            V[:, R] = vh[rows].transpose(0, 1).to(V.dtype)
+            out[rows] = self._attend_buffers(q[rows], K, V, R)
+        if kernel_rows:
+            # One kernel call for every kernel request (3x faster than the batched matmuls, measured); the
+            # plan's runs follow the packing of exactly these rows.
             layout, plan, cache = self.paged
-            return layout.attend(plan, self.real, cache, q, k, v)
-        self.K[:, R] = k.view(-1, Hk, D).transpose(0, 1).to(self.K.dtype)
-        self.V[:, R] = v.view(-1, Hk, D).transpose(0, 1).to(self.V.dtype)
+            if sum(len(r) for r in kernel_rows) == q.shape[0]:  # all of them: no gather needed
+                out = layout.attend(plan, self.real, cache, q, k, v).to(q.dtype)
+            else:
+                idx = torch.cat(kernel_rows)  # [nk]
+                out[idx] = layout.attend(plan, self.real, cache, q[idx], k[idx], v[idx]).to(q.dtype)
+        return out
+
+    def _attend_buffers(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+        """One request's queries at positions R over its buffers.  # q: [nR, Hq*D], K, V: [Hkv, T, D] -> [nR, Hq*D]"""
+        Hq, Hk, D = self.num_heads, self.num_kv_heads, self.head_size
         G = Hq // Hk
         qh = q.view(-1, Hk, G, D).permute(1, 2, 0, 3).float()  # [Hkv, G, nR, D]
         out = torch.empty_like(qh)
@@ -83,7 +142,7 @@ class _LinkAttention(torch.nn.Module):
             Rg = R[lo:hi]
             T = int(Rg[-1]) + 1
             g = hi - lo
-            Kh, Vh = self.K[:, :T], self.V[:, :T]  # [Hkv, T, D]
+            Kh, Vh = K[:, :T], V[:, :T]  # [Hkv, T, D]
             qg = qh[:, :, lo:hi].reshape(Hk, G * g, D)
             scores = torch.bmm(qg, Kh.transpose(1, 2)).mul_(self.scale).view(Hk, G, g, T)
             # Keys before the group's first query are visible to all of it: mask only the tail.
@@ -106,6 +165,8 @@ class Linker:
     block_size: int
     layers: list[torch.nn.Module] = field(init=False)
     attn: list[tuple[torch.nn.Module, str, torch.nn.Module]] = field(init=False)
+    # requests per batched recompute pass -> passes run (bounded: at most max_num_seqs sizes)
+    batch_sizes: Counter = field(init=False, default_factory=Counter)
 
     def __post_init__(self) -> None:
         self.layers = vllm_api.decoder_layers(self.model)
@@ -122,67 +183,134 @@ class Linker:
         return self.kv_caches[self.attn[li][2].layer_name]
 
     @torch.inference_mode()
-    def link(self, job: LinkJob, block_ids: list[int], start: int, end: int) -> None:
-        """Fill positions [start, end) of the request's paged KV in every layer."""
+    def link_many(self, loads: list[LinkLoad]) -> None:
+        """Fill positions [start, end) of each request's paged KV in every layer, recomputing all the
+        requests together (one decoder-layer call per layer). A request whose own data is invalid is
+        failed alone (job.error) before the batched pass; an exception raised by the batched pass is
+        re-raised: the pages of every request of that pass are then unfilled or partly filled, and the
+        caller fails them all."""
+        if not loads:
+            return
         device = self.cache_of(0).device
-        T = len(job.token_ids)
-        assert end <= T, (end, T)
-        R = job.initial_recompute().to(device)
-        cached, candidate = (m.to(device) for m in job.masks())
-        h = self._embed(torch.tensor(job.token_ids, device=device)[R])
-        residual = None
         first = self.attn[0][2]
-        Hk, D = first.num_kv_heads, first.head_size
-        # Cached KV for every layer at once, keys rotated to their linked positions (fp32).
-        # A persistent workspace, not fresh tensors: first-touch page faults on ~200 MB per request were
-        # ~40% of a link. Left uninitialised: every position outside the spans is in R and is written
-        # by the shim before any read.
-        shape = (len(self.layers), Hk, T, D)
-        ws = self._workspace(2 * shape[0] * Hk * T * D, device)
-        Kall, Vall = ws.view(2, *shape).unbind(0)  # [L, Hkv, T, D] each
+        L, Hk, D = len(self.layers), first.num_kv_heads, first.head_size
+        seqs = []
+        for load in loads:
+            try:
+                seqs.append(self._check(load, device))
+            except Exception as e:
+                self._fail(load.job, e)
+        # Cached KV of every request for every layer at once, keys rotated to their linked positions (fp32).
+        # One persistent workspace for the batch (sum of the requests' T), not fresh tensors: first-touch page
+        # faults on ~200 MB per request were ~40% of a link. Left uninitialised: every position outside the
+        # spans is in R and is written by the shim before any read.
+        sizes = [2 * L * Hk * len(s.load.job.token_ids) * D for s in seqs]
+        ws = self._workspace(sum(sizes), device)
+        ok, off = [], 0
+        for s, n in zip(seqs, sizes):
+            s.K, s.V = ws[off : off + n].view(2, L, Hk, n // (2 * L * Hk * D), D).unbind(0)  # [L, Hkv, T, D] each
+            off += n
+            try:
+                self._fill(s, device)
+                ok.append(s)
+            except Exception as e:
+                self._fail(s.load.job, e)
+        if ok:
+            self.batch_sizes[len(ok)] += 1
+            self._recompute(ok, device)
+
+    @staticmethod
+    def _fail(job: LinkJob, e: Exception) -> None:
+        log.error("link job %s failed before its batch ran: %s: %s", job.job_id, type(e).__name__, e, exc_info=e)
+        job.error = f"{type(e).__name__}: {e}"
+
+    def _check(self, load: LinkLoad, device) -> _Seq:
+        """One request's recompute set and masks, checked against its own data."""
+        job = load.job
+        T = len(job.token_ids)
+        assert 0 <= load.start <= load.end <= T, (load.start, load.end, T)
+        assert len(load.block_ids) * self.block_size >= load.end, (len(load.block_ids), load.end)
+        R = job.initial_recompute().to(device)  # [nR]
+        cached, candidate = (m.to(device) for m in job.masks())  # [T] each
         assert bool((cached | torch.isin(torch.arange(T, device=device), R)).all()), "uncached token not recomputed"
-        for s in job.spans:
-            n = s.kv.num_tokens
-            rk = self.rotator.rotate(s.kv.k.to(device), s.start - s.kv.base_pos)  # [L, n, Hkv, D]
-            Kall[:, :, s.start : s.start + n] = rk.transpose(1, 2)
-            Vall[:, :, s.start : s.start + n] = s.kv.v.to(device).transpose(1, 2)
-        blend = job.policy.kind == "cacheblend"
-        plan = self.layout.attention_plan(self.cache_of(0), block_ids, R, start, end, first) if len(R) else None
+        return _Seq(load, R, cached, candidate)
+
+    def _fill(self, s: _Seq, device) -> None:
+        """The request's buffers: every span's cached KV, keys rotated to where the span sits."""
+        for sp in s.load.job.spans:
+            n = sp.kv.num_tokens
+            rk = self.rotator.rotate(sp.kv.k.to(device), sp.start - sp.kv.base_pos)  # [L, n, Hkv, D]
+            s.K[:, :, sp.start : sp.start + n] = rk.transpose(1, 2)
+            s.V[:, :, sp.start : sp.start + n] = sp.kv.v.to(device).transpose(1, 2)
+
+    def _plan(self, seqs: list[_Seq], cache: torch.Tensor) -> object | None:
+        """Mark which requests attend with the kernel from here on, and one plan for all of them (None: none)."""
+        first = self.attn[0][2]
+        for s in seqs:
+            s.paged = self.layout.can_attend(s.R, s.load.start, s.load.end)
+        kern = [(s.load.block_ids, s.R) for s in seqs if s.paged]
+        return self.layout.attention_plan(cache, kern, first) if kern else None
+
+    def _recompute(self, seqs: list[_Seq], device) -> None:
+        """The batched pass: each decoder layer once over every request's R, packed in `seqs` order."""
+        ids = torch.cat([torch.tensor(s.load.job.token_ids, device=device)[s.R] for s in seqs])  # [n]
+        h = self._embed(ids)  # [n, hidden]
+        residual = None
+        plan = self._plan(seqs, self.cache_of(0))
         for li, layer in enumerate(self.layers):
-            K, V = Kall[li], Vall[li]  # views: [Hkv, T, D]
-            cache, layer_plan = self.cache_of(li), plan
-            if layer_plan is not None:  # cached KV into the pages first: the kernel reads it from there
-                self.layout.write_range(
-                    cache, block_ids, start, end, K[:, start:end].transpose(0, 1), V[:, start:end].transpose(0, 1)
-                )
-            if len(R):
+            cache = self.cache_of(li)
+            paged = [s.paged for s in seqs]  # this layer's paths (CacheBlend may change them for the next)
+            for s, p in zip(seqs, paged):
+                if p:  # cached KV into the pages first: the kernel reads it from there
+                    self._write_pages(s, li, cache)
+            blend_here = li == CHECK_LAYER and any(s.blend for s in seqs)
+            if len(h):
                 parent, attr, real = self.attn[li]
                 shim = _LinkAttention(
-                    real,
-                    K,
-                    V,
-                    R,
-                    keep_old=blend and li == CHECK_LAYER,
-                    paged=None if layer_plan is None else (self.layout, layer_plan, cache),
+                    real, li, seqs, keep_old=blend_here, paged=None if plan is None else (self.layout, plan, cache)
                 )
                 setattr(parent, attr, shim)
                 try:
-                    h, residual = vllm_api.decoder_layer_forward(layer, R, h, residual)
+                    positions = torch.cat([s.R for s in seqs])  # [n]
+                    h, residual = vllm_api.decoder_layer_forward(layer, positions, h, residual)
                 finally:
                     setattr(parent, attr, real)
-                if blend and li == CHECK_LAYER:
-                    h, residual, R = self._blend_select(job.policy, R, cached, candidate, K, shim.old_k, h, residual)
-                    plan = self.layout.attention_plan(cache, block_ids, R, start, end, first)
-            if layer_plan is None:  # attention ran over the buffers: they hold the layer's final K/V
-                self.layout.write_range(
-                    cache, block_ids, start, end, K[:, start:end].transpose(0, 1), V[:, start:end].transpose(0, 1)
-                )
-        job.recomputed = int(len(R))
+                if blend_here:
+                    h, residual = self._blend_select(seqs, li, h, residual)
+                    plan = self._plan(seqs, cache)
+            for s, p in zip(seqs, paged):
+                if not p:  # attention ran over the buffers: they hold the layer's final K/V
+                    self._write_pages(s, li, cache)
+        for s in seqs:
+            s.load.job.recomputed = int(len(s.R))
+
+    def _write_pages(self, s: _Seq, li: int, cache: torch.Tensor) -> None:
+        """The request's buffered K/V of layer li at [start, end) into its pages."""
+        a, b = s.load.start, s.load.end
+        K, V = s.K[li], s.V[li]  # [Hkv, T, D]
+        self.layout.write_range(cache, s.load.block_ids, a, b, K[:, a:b].transpose(0, 1), V[:, a:b].transpose(0, 1))
 
     @staticmethod
-    def _blend_select(policy: Policy, R, cached, candidate, K, old_k, h, residual):
-        """CacheBlend token selection at the check layer (R covers every position here): keep every
-        uncached token and the top `ratio` of candidate chunk tokens by key deviation."""
+    def _blend_select(seqs: list[_Seq], li: int, h, residual):
+        """CacheBlend token selection at the check layer, request by request (R covers every position of a
+        blend request here), then the packed rows re-packed: the other requests keep all theirs."""
+        keep, off = [], 0
+        for s in seqs:
+            n = len(s.R)
+            if s.blend and n:
+                idx = Linker._blend_keep(s.load.job.policy, s.R, s.cached, s.candidate, s.K[li], s.old_k)
+                s.R, s.old_k = s.R[idx], None
+                keep.append(idx + off)
+            else:
+                keep.append(torch.arange(off, off + n, device=h.device))
+            off += n
+        idx = torch.cat(keep)  # [n'] rows kept, still in request order
+        return h[idx], (residual[idx] if residual is not None else None)
+
+    @staticmethod
+    def _blend_keep(policy: Policy, R, cached, candidate, K, old_k) -> torch.Tensor:
+        """One request's kept rows (indices into R): every uncached token and the top `ratio` of candidate
+        chunk tokens by key deviation.  # K: [Hkv, T, D], old_k: [nR, Hkv, D] -> [n'] int64"""
         dev = (K[:, R].transpose(0, 1) - old_k).float().pow(2).sum(dim=(1, 2))  # [nR]
         is_cand = candidate[R]
         n_keep = int(round(policy.ratio * int(is_cand.sum())))
@@ -190,8 +318,7 @@ class Linker:
         if n_keep > 0:
             scores = torch.where(is_cand, dev, torch.full_like(dev, -1.0))
             keep[torch.topk(scores, n_keep).indices] = True
-        idx = torch.nonzero(keep).flatten()
-        return h[idx], (residual[idx] if residual is not None else None), R[idx]
+        return torch.nonzero(keep).flatten()
 
     @torch.inference_mode()
     def capture(
