@@ -79,7 +79,14 @@ def measure(model: str | None, question: str, max_tokens: int, timeout_s: float)
                 pass
             time.sleep(0.5)
         out["engine_ready_s"] = round(time.monotonic() - t0, 1)
-        st = httpx.get(server.url + "/api/status", headers=h, timeout=30).json()
+        while True:  # ask once retrieval has the whole corpus to search, while its chunks still compile
+            st = httpx.get(server.url + "/api/status", headers=h, timeout=30).json()
+            if st["chunks"] and st["embedded"] >= st["chunks"] or st["state"] == "ready":
+                break
+            if time.monotonic() > end:
+                raise TimeoutError("the demo did not finish embedding the corpus in time")
+            time.sleep(0.5)
+        out["corpus_indexed_s"] = round(time.monotonic() - t0, 1)
         asked = time.monotonic()
         body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0}
         r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=h, timeout=timeout_s)
@@ -114,13 +121,14 @@ def markdown(data: dict) -> str:
         f"Command: `{data['command']}`  ",
         f"Machine: {data['machine']}",
         "",
-        "`epic-rag demo` on its defaults with a fresh data folder; one question asked as soon as the engine "
-        "served, while the corpus was still being embedded and compiled.",
+        "`epic-rag demo` on its defaults with a fresh data folder; one question asked as soon as retrieval "
+        "could search the whole corpus, while its chunks were still being compiled.",
         "",
         *table(
             ["figure", "value"],
             [
                 ["engine ready (after start)", f"{r['engine_ready_s']} s"],
+                ["corpus embedded, retrieval ready (after start)", f"{r.get('corpus_indexed_s')} s"],
                 ["corpus embedded and compiled (after start)", f"{r['corpus_ready_s']} s"],
                 ["corpus", f"{r['corpus']['documents']} documents, {r['corpus']['chunks']} chunks"],
                 ["peak RSS of the server", f"{r['peak_rss_mib']} MiB"],
