@@ -27,6 +27,9 @@ class EngineConfig:
     # What every chunk is compiled behind: "template" (the default prompt up to its first document) or
     # "sink" (the sink token alone: EPIC's reference compile, [BOS] + chunk from position 0). Part of the keys.
     compile_lead: str = "template"
+    # Under load the engine thread hands freed heap memory back to the OS (glibc malloc_trim) at most this
+    # often, and once after work when idle; 0 turns it off (engine/heap.py).
+    heap_trim_s: float = 10.0
 
     def __post_init__(self) -> None:
         parse_policy(self.policy)
@@ -34,5 +37,7 @@ class EngineConfig:
             raise ValueError(f"compile_lead must be 'template' or 'sink', got {self.compile_lead!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.heap_trim_s, (int, float)) or not self.heap_trim_s >= 0:
+            raise ValueError(f"heap_trim_s must be a number of seconds >= 0, got {self.heap_trim_s!r}")
         if self.max_model_len < 16:
             raise ValueError("max_model_len must be at least 16")

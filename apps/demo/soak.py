@@ -149,9 +149,10 @@ class DemoProcess:
             *extra_args,
         ]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1")
-        )
+        # The server runs this checkout's code (a worktree's too), not whatever the installed script maps to.
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
     def wait_ready(self, timeout: float = 1800) -> dict:
         import httpx

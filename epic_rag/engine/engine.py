@@ -43,7 +43,7 @@ class EpicEngine:
         self.tokenizer = self._llm.get_tokenizer()
         self.max_model_len = config.max_model_len
         self.text_index = ChunkTextIndex()  # compiled chunk texts, found again inside rendered prompts
-        self.runtime = Runtime(self._llm)
+        self.runtime = Runtime(self._llm, heap_trim_s=config.heap_trim_s)
         fp = kv_fingerprint(
             model_fingerprint(self.model_dir), tokenizer_fingerprint(self.tokenizer), self.kv_info["kv_dtype"]
         )

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..types import Delta
 from . import vllm_api
+from .heap import TRIM_EVERY_S, HeapTrimmer
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,12 @@ class Runtime:
     _stop: bool = False
     _thread: threading.Thread | None = None
     fatal: BaseException | None = None
+    # Freed heap memory goes back to the OS at most this often under load, and once after work (heap.py)
+    heap_trim_s: float = TRIM_EVERY_S
+    trimmer: HeapTrimmer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.trimmer = HeapTrimmer(self.heap_trim_s)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="epic-rag-engine", daemon=True)
@@ -164,10 +171,12 @@ class Runtime:
             while not self._stop:
                 self._drain()
                 if not self.llm.has_unfinished_requests():
+                    self.trimmer.on_idle()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
                 self._route(self.llm.step())
+                self.trimmer.after_step()
         except BaseException as e:  # a failed step, add or abort: the engine is unusable from here on
             log.exception("engine thread failed; failing every pending request")
             self.fatal = e
