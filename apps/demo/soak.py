@@ -1,5 +1,5 @@
 """Reliability harness for the demo: a bounded load/soak test and a schemathesis fuzz run, both against
-`epic-rag demo` (SmolLM2, FAISS + MiniLM retrieval, default store memory 2 GiB over disk) started here on
+`epic-rag demo` (its default model, FAISS + MiniLM retrieval, default store memory 2 GiB over disk) started here on
 127.0.0.1 over a small generated corpus, with an API key.
 
     .venv/bin/python -m epic_rag_demo.soak soak [--duration 300] [--concurrency 16] [--max-tokens 48] [--out docs/bench]
@@ -171,6 +171,12 @@ class DemoProcess:
                 pass
             time.sleep(1.0)
         raise TimeoutError("the demo server did not finish ingesting in time")
+
+    def served_model(self) -> str:
+        """The model the server reports (/healthz), for the reports: they say what actually ran."""
+        import httpx
+
+        return httpx.get(self.url + "/healthz", timeout=30).json()["model"]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -484,7 +490,7 @@ def soak_markdown(data: dict) -> str:
         f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores; {data.get('machine_note', '')}  ",
         f"Date: {m.get('date', '?')}, commit {m.get('commit', '?')}",
         "",
-        f"Server: `{' '.join(data['server_cmd'])}` (SmolLM2-135M-Instruct, fp32 on CPU, store "
+        f"Server: `{' '.join(data['server_cmd'])}` ({data.get('model', '?')}, fp32 on CPU, store "
         f"memory 2 GiB + disk under the data dir); corpus: {c['documents']} generated documents, "
         f"{c['chunks']} chunks, compiled at start-up in {c['ingest_s']:.0f} s.",
         "",
@@ -562,6 +568,7 @@ def cmd_soak(args) -> int:
     try:
         st = server.wait_ready()
         ingest_s = time.monotonic() - t0
+        model = server.served_model()
         print(
             f"server ready in {ingest_s:.0f} s: {st['chunks']} chunks compiled; load for {args.duration} s", flush=True
         )
@@ -589,6 +596,7 @@ def cmd_soak(args) -> int:
     step = max(1, len(load["rss"]) // 60)
     data = {
         "command": command_line(MODULE),
+        "model": model,
         "server_cmd": ["epic-rag"]
         + server.cmd[1:3]
         + ["<corpus>", "--data-dir", "<tmp>", "--port", "<free>", "--api-key", "<key>", "--no-browser-needed"],
@@ -719,7 +727,7 @@ def fuzz_markdown(data: dict) -> str:
         f"Machine: {data['machine'].get('cpu', '?')}, {data['machine'].get('cores', '?')} cores; "
         f"date {data['machine'].get('date', '?')}, commit {data['machine'].get('commit', '?')}",
         "",
-        f"Server: `epic-rag demo` on 127.0.0.1 (SmolLM2, MiniLM retrieval, API key), corpus of "
+        f"Server: `epic-rag demo` on 127.0.0.1 ({data.get('model', '?')}, MiniLM retrieval, API key), corpus of "
         f"{data['documents']} generated documents. Check: `not_a_server_error` (5xx or transport failure). "
         f"Chat bodies: 2 of 3 steered into the engine by the hook in apps/demo/soak.py "
         f"(max_tokens <= {FUZZ_MAX_TOKENS}).",
@@ -759,6 +767,7 @@ def cmd_fuzz(args) -> int:
     report = work / "st-report.json"
     try:
         server.wait_ready()
+        model = server.served_model()
         rss = process_rss(server.proc.pid)
         rss_before = rss()
         cmd = fuzz_command(server.url, KEY, args.max_examples, args.seed, report, args.workers)
@@ -785,6 +794,7 @@ def cmd_fuzz(args) -> int:
     rep = json.loads(report.read_text())
     data = {
         "command": command_line(MODULE),
+        "model": model,
         "st_command": " ".join([".venv/bin/python"] + cmd[1:])
         .replace(KEY, "<key>")
         .replace(server.url, "http://127.0.0.1:<port>"),
