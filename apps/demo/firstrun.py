@@ -1,6 +1,7 @@
 """First run of the demo, measured: `epic-rag demo` on its defaults (Qwen2.5-Coder-0.5B-Instruct, the
 pydoc corpus, memory over disk store) started on a fresh data folder, a question asked as soon as the engine
-serves (while the corpus is still compiling), then timed until every chunk is compiled.
+serves and every chunk found so far is embedded (while the corpus is still chunked and compiled), then timed
+until every chunk is compiled.
 
     .venv/bin/python -m epic_rag_demo.firstrun [--model M] [--question Q] [--out docs/bench]
 
@@ -79,7 +80,7 @@ def measure(model: str | None, question: str, max_tokens: int, timeout_s: float)
                 pass
             time.sleep(0.5)
         out["engine_ready_s"] = round(time.monotonic() - t0, 1)
-        while True:  # ask once retrieval has the whole corpus to search, while its chunks still compile
+        while True:  # ask once every chunk found so far is embedded (retrieval can search it), while chunks compile
             st = httpx.get(server.url + "/api/status", headers=h, timeout=30).json()
             if st["chunks"] and st["embedded"] >= st["chunks"] or st["state"] == "ready":
                 break
@@ -122,7 +123,7 @@ def markdown(data: dict) -> str:
         f"Machine: {data['machine']}",
         "",
         "`epic-rag demo` on its defaults with a fresh data folder; one question asked as soon as retrieval "
-        "could search the whole corpus, while its chunks were still being compiled.",
+        "could search every chunk found so far, while the corpus was still being chunked and compiled.",
         "",
         *table(
             ["figure", "value"],
