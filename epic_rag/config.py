@@ -23,6 +23,9 @@ class EngineConfig:
     kv_cache_gib: int = 2  # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
     gpu_memory_utilization: float = 0.3  # CPU: fraction of the NUMA node's RAM vLLM may take
     max_num_batched_tokens: int = 4096
+    # Prompt tokens one batched link pass holds, summed over its requests (the linker's K/V workspace,
+    # allocated once; on a GPU it is taken out of gpu_memory_utilization's share). 0: twice max_model_len.
+    link_workspace_tokens: int = 0
     seed: int = 0
     # What every chunk is compiled behind: "template" (the default prompt up to its first document) or
     # "sink" (the sink token alone: EPIC's reference compile, [BOS] + chunk from position 0). Part of the keys.
@@ -39,5 +42,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.heap_trim_s, (int, float)) or not self.heap_trim_s >= 0:
             raise ValueError(f"heap_trim_s must be a number of seconds >= 0, got {self.heap_trim_s!r}")
+        if not isinstance(self.link_workspace_tokens, int) or self.link_workspace_tokens < 0:
+            raise ValueError(f"link_workspace_tokens must be an int >= 0, got {self.link_workspace_tokens!r}")
+        if 0 < self.link_workspace_tokens < self.max_model_len:
+            raise ValueError("link_workspace_tokens must hold one whole prompt: at least max_model_len")
         if self.max_model_len < 16:
             raise ValueError("max_model_len must be at least 16")

@@ -17,6 +17,8 @@ Checks (each prints PASS/FAIL with its max error and tolerance; the JSON summary
    runs-as-sequences plan (layout.query_runs: torch SDPA per run with a bottom-right causal mask, and
    where available torch's varlen FlashAttention, packed and paged over the FlashAttnLayout cache, and the
    flash_attn package) against a dense masked SDPA reference; a mask off by one must miss it by far.
+   FlashAttnLayout's own kernel path (the linker's CUDA adapter: RunPlan, cache write, one varlen call) with
+   a kernel written from FlashAttention's contract and, on CUDA, torch's paged FlashAttention.
 4. timings (medians, ms) of the torch-level pieces for an 8B-shaped layer: rotating a 4096-token chunk's
    keys for 32 layers, FlashAttnLayout writes of 4096 tokens in 32 layers, the buffer-path attention of R,
    the per-run SDPA plan, the dense reference.
@@ -350,6 +352,77 @@ def flash_attn_pkg(q, K, V, qsl, seq_lens, scale) -> torch.Tensor:
     )  # causal is bottom-right aligned since flash-attn 2.1
 
 
+class TorchVarlenKernels:
+    """FlashAttnLayout's two kernels on torch alone (the device has no vLLM): the cache write by indexing, the
+    varlen attention by torch's paged FlashAttention (varlen_attn with block_table and seqused_k)."""
+
+    def cache_write(self, attn, k, v, key_cache, value_cache, slots) -> None:
+        N = key_cache.shape[1]
+        key_cache[slots // N, slots % N] = k.to(key_cache.dtype)
+        value_cache[slots // N, slots % N] = v.to(value_cache.dtype)
+
+    def varlen(self, attn, q, key_cache, value_cache, out, plan) -> None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters
+        if "block_table" not in params:
+            raise RuntimeError("this torch's varlen_attn has no block_table")
+        kw = {"scale": attn.impl.scale} if "scale" in params else {}
+        kw.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+        out.copy_(
+            varlen_attn(
+                q,
+                key_cache,
+                value_cache,
+                plan.query_start_loc,
+                None,
+                plan.max_query_len,
+                plan.max_seq_len,
+                enable_gqa=True,
+                seqused_k=plan.seq_lens,
+                block_table=plan.block_table,
+                **kw,
+            )
+        )
+
+
+def check_flash_adapter(report: Report, s, device, dtype, T: int, tol: float, ref: torch.Tensor) -> None:
+    """FlashAttnLayout's own kernel path (RunPlan on the device, cache write, one varlen call), as the linker
+    calls it, with a kernel written from FlashAttention's contract and, on CUDA, torch's FlashAttention."""
+    from epic_rag.engine.layout import FlashAttnLayout
+    from epic_rag.testing.varlen import ReferenceFlashKernels
+
+    nR = len(s.R)
+    attn = SimpleNamespace(num_heads=HQ, num_kv_heads=HK, head_size=D, impl=SimpleNamespace(scale=s.scale))
+    kernels = [("reference", ReferenceFlashKernels())]
+    if device.type == "cuda" and dtype != torch.float32:
+        kernels.append(("torch_varlen", TorchVarlenKernels()))
+    for name, kern in kernels:
+        try:
+            layout, nblk = FlashAttnLayout(kern), -(-T // BLOCK)
+            cache = torch.zeros((2 * nblk, BLOCK, HK, 2 * D), dtype=dtype, device=device).permute(0, 2, 1, 3)
+            block_ids = torch.randperm(2 * nblk, generator=torch.Generator().manual_seed(9))[:nblk].tolist()
+            layout.write_range(cache, block_ids, 0, T, s.K0.transpose(0, 1), s.V0.transpose(0, 1))  # cached KV
+            assert layout.can_attend(s.R, 0, T)
+            plan = layout.attention_plan(cache, [(block_ids, s.R)], attn)
+            args = (s.q.to(dtype).reshape(nR, -1), s.k.to(dtype).reshape(nR, -1), s.v.to(dtype).reshape(nR, -1))
+            out = layout.attend(plan, attn, cache, *args).view(nR, HQ, D).float()
+            report.check(f"attention/flash_layout_adapter_{name}", float((out - ref).abs().max()), tol)
+            if name == "torch_varlen":
+                timed(
+                    report,
+                    f"flash_layout_attend_{T}_tokens",
+                    lambda: layout.attend(plan, attn, cache, *args),
+                    device,
+                    20,
+                    3,
+                )
+        except Exception as e:
+            report.note(
+                f"FlashAttnLayout adapter with {name} kernels failed to run: {type(e).__name__}: {str(e)[:200]}"
+            )
+
+
 def attention_setup(device, dtype, T, seed=3):
     from epic_rag.engine.linker import _LinkAttention, _Seq
 
@@ -407,6 +480,7 @@ def check_attention(report: Report, device: torch.device, dtype: torch.dtype, qu
     qd, Kd, Vd = s.q.to(dtype), s.Kf.to(dtype), s.Vf.to(dtype)
     out = per_run_sdpa(qd, Kd, Vd, qsl, seq_lens, s.scale).float()
     report.check("attention/runs_plan_sdpa", float((out - ref).abs().max()), tol, runs=len(seq_lens))
+    check_flash_adapter(report, s, device, dtype, T, tol, ref)
     if device.type != "cuda" or dtype == torch.float32:
         report.note("varlen FlashAttention variants need CUDA and bf16/fp16: not run")
         return

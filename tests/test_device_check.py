@@ -25,6 +25,6 @@ def test_device_check_passes_on_cpu_without_vllm(tmp_path):
     names = [c["name"] for c in summary["checks"]]
     failed = [c for c in summary["checks"] if not c["passed"]]
     assert not failed, failed
-    for part in ("rotation/", "layout/", "attention/buffer_path", "attention/runs_plan_sdpa"):
+    for part in ("rotation/", "layout/", "attention/buffer_path", "attention/runs_plan_sdpa", "attention/flash_layout"):
         assert any(n.startswith(part) for n in names), (part, names)
     assert len(summary["timings_ms"]) == 5

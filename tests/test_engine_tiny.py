@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 
 import pytest
+import torch
 
 from epic_rag import Chunk, ChunkRef, RagRequest, parse_policy
 from epic_rag.policy import SINK_LEN
@@ -469,3 +470,49 @@ def test_a_batch_mixing_kernel_and_buffer_attention_equals_one_by_one(tiny_engin
     )
     assert any(0 < n < len(MIXED) for n in planned), planned  # one kernel call for some, buffers for the others
     assert [g.token_ids for g in got] == [r.token_ids for r in refs]
+
+
+def test_links_beyond_the_workspace_run_in_several_passes_and_equal_one_by_one(tiny_engine, monkeypatch):
+    refs = [tiny_engine.generate(_req(c), max_tokens=12, policy=p) for c, p in BATCH]
+    linker = _linker()
+    # Room for the longest request's claim and little more: the step's links need several passes.
+    monkeypatch.setattr(linker, "workspace_tokens", max(r.prompt_tokens for r in refs))
+    before = sum(linker.batch_sizes.values())
+    got = _in_one_step(
+        tiny_engine, [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=12, policy=p) for c, p in BATCH]
+    )
+    assert sum(linker.batch_sizes.values()) - before >= 2
+    assert [g.token_ids for g in got] == [r.token_ids for r in refs]
+
+
+def test_linker_on_the_flash_attention_plan_and_kernel_contract_equals_one_by_one_and_full(tiny_engine, monkeypatch):
+    # The CUDA path cannot run here. This runs the linker through FlashAttnLayout's kernel path as far as a CPU
+    # allows: its any-number-of-runs rule (CacheBlend's scattered picks attend with the kernel too), the shared
+    # RunPlan, and a kernel written from FlashAttention's varlen contract reading vLLM's CPU pages.
+    from epic_rag.engine.layout import CpuAttnLayout, FlashAttnLayout, RunPlan
+    from epic_rag.testing.varlen import ReferenceFlashKernels
+
+    kernels = ReferenceFlashKernels()
+
+    def attend(self, plan, attn, cache, q, k, v):
+        n, H, D = len(plan.slots), attn.num_kv_heads, attn.head_size
+        self.write(cache, plan.slots, k.reshape(n, H, D), v.reshape(n, H, D))
+        kview, vview = self._views(cache)  # [B, H, D, N], [B, H, N, D] -> FlashAttention's [B, N, H, D]
+        out = torch.empty((n, attn.num_heads, D), dtype=q.dtype)
+        kernels.varlen(attn, q.reshape(n, -1, D), kview.permute(0, 3, 1, 2), vview.permute(0, 2, 1, 3), out, plan)
+        return out.view(n, -1)
+
+    refs = [tiny_engine.generate(_req(c), max_tokens=12, policy=p) for c, p in MIXED]
+    monkeypatch.setattr(CpuAttnLayout, "can_attend", FlashAttnLayout.can_attend)
+    monkeypatch.setattr(
+        CpuAttnLayout, "attention_plan", lambda self, cache, seqs, attn: RunPlan.build(seqs, cache.shape[2])
+    )
+    monkeypatch.setattr(CpuAttnLayout, "attend", attend)
+    got = _in_one_step(
+        tiny_engine, [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=12, policy=p) for c, p in MIXED]
+    )
+    assert kernels.calls > 0
+    for (_, pol), ref, g in zip(MIXED, refs, got):
+        assert g.token_ids == ref.token_ids, pol
+    full = tiny_engine.generate(_req(MIXED[1][0]), max_tokens=12, policy="full")
+    assert got[1].token_ids == full.token_ids  # legolink-9999 through the kernel contract: exact

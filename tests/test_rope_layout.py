@@ -7,6 +7,7 @@ import torch
 
 from epic_rag.engine.layout import CpuAttnLayout, FlashAttnLayout, LayoutError, query_runs, slots_for
 from epic_rag.engine.rope import KeyRotator, RopeError
+from epic_rag.testing.varlen import ReferenceFlashKernels
 
 ROPES = {
     "default": {"rope_theta": 10000.0, "rope_type": "default"},
@@ -217,19 +218,32 @@ def test_cpu_kernel_attention_is_not_planned_outside_the_links_range_or_for_scat
     scattered = torch.arange(0, 2 * (CpuAttnLayout.MAX_KERNEL_RUNS + 1), 2)
     assert not layout.can_attend(scattered, 0, 300)
     assert not layout.can_attend(R[:0], 0, 300)
-    assert not FlashAttnLayout().can_attend(R, 0, 300)
 
 
-def test_one_cpu_kernel_plan_for_several_requests_equals_each_ones_masked_attention():
+def test_flash_attention_kernel_path_takes_any_number_of_runs_inside_the_links_range():
+    layout = FlashAttnLayout(ReferenceFlashKernels())
+    scattered = torch.arange(0, 2 * (CpuAttnLayout.MAX_KERNEL_RUNS + 1), 2)  # CacheBlend's picks: exact here too
+    assert layout.can_attend(scattered, 0, 300)
+    assert not layout.can_attend(torch.arange(10, 20), 12, 300)  # would overwrite shared prefix
+    assert not layout.can_attend(torch.arange(10, 20), 0, 15)
+    assert not layout.can_attend(scattered[:0], 0, 300)
+
+
+@pytest.mark.parametrize("layout_kind", ["cpu_attn", "flash_attn"])
+def test_one_kernel_plan_for_several_requests_equals_each_ones_masked_attention(layout_kind):
     # A batched link: each request's runs are kernel sequences over its own block table, packed in one call.
+    # FlashAttention's adapter runs the same plan through a kernel written from FlashAttention's contract.
     N, Hq, Hk, D = 32, 6, 2, 64
-    layout, attn = CpuAttnLayout("vec"), _FakeAttn(Hq, Hk, D)
+    kernels = ReferenceFlashKernels()
+    layout = CpuAttnLayout("vec") if layout_kind == "cpu_attn" else FlashAttnLayout(kernels)
+    attn = _FakeAttn(Hq, Hk, D)
     cache = torch.zeros((12, Hk, N, 2 * D))
+    scattered = [(t, t + 1) for t in range(3, 40, 3)]  # CacheBlend-like picks: runs of one query (flash only)
     reqs = [  # (block_ids, T, runs of R)
         ([3, 0, 5], 70, [(0, 3), (40, 56), (69, 70)]),
         ([7, 1, 9, 2], 120, [(0, 120)]),
         ([11], 20, [(4, 9), (15, 17)]),
-    ]
+    ] + ([([4, 6], 40, scattered)] if layout_kind == "flash_attn" else [])
     seqs, qs, ks, vs, refs = [], [], [], [], []
     for block_ids, T, runs in reqs:
         K, V = torch.randn(T, Hk, D), torch.randn(T, Hk, D)
@@ -249,6 +263,22 @@ def test_one_cpu_kernel_plan_for_several_requests_equals_each_ones_masked_attent
     for got, (ref, block_ids, T, K) in zip(out.split([len(R) for _, R in seqs]), refs):
         assert torch.allclose(got.view(-1, Hq, D), ref, atol=1e-5)
         assert torch.equal(layout.read_range(cache, block_ids, 0, T)[0], K)  # R's fresh keys stored in its pages
+    if layout_kind == "flash_attn":
+        assert kernels.calls == 1  # one kernel call for the whole batch
+
+
+def test_run_plan_is_the_kernels_varlen_metadata_for_packed_requests():
+    from epic_rag.engine.layout import RunPlan
+
+    R1 = torch.cat([torch.arange(0, 3), torch.arange(40, 56)])  # request 1: blocks [3, 0, 5] (N=32)
+    R2 = torch.tensor([5, 7])  # request 2: blocks [9]
+    plan = RunPlan.build([([3, 0, 5], R1), ([9], R2)], 32)
+    assert plan.query_start_loc.tolist() == [0, 3, 19, 20, 21]
+    assert plan.seq_lens.tolist() == [3, 56, 6, 8]
+    assert plan.block_table.tolist() == [[3, 0], [3, 0], [9, 0], [9, 0]]  # only the blocks each run reads
+    assert plan.slots.tolist() == [96, 97, 98] + [t - 32 for t in range(40, 56)] + [293, 295]  # block 0 holds 32..63
+    assert (plan.max_query_len, plan.max_seq_len) == (16, 56)
+    assert plan.query_start_loc.dtype == plan.seq_lens.dtype == plan.block_table.dtype == torch.int32
 
 
 def _amx_bf16() -> bool:

@@ -73,6 +73,9 @@ class EpicConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
+        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
+        # prompt tokens one batched link pass holds (the linker's workspace; see vllm_api.link_workspace)
+        self.workspace_tokens = int(extra.get("workspace_tokens", 2 * vllm_config.model_config.max_model_len))
         self._active: dict[str, _ReqState] = {}
         self._kvm = None
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -156,7 +159,12 @@ class EpicConnector(KVConnectorBase_V1):
         rotator = rope.KeyRotator(rotary)
         rope.self_check(rotator, rotary, attn.head_size, attn.num_kv_heads, cache.dtype)
         linker = Linker(
-            model=model, kv_caches=self.kv_caches, layout=layout, rotator=rotator, block_size=self.block_size
+            model=model,
+            kv_caches=self.kv_caches,
+            layout=layout,
+            rotator=rotator,
+            block_size=self.block_size,
+            workspace_tokens=self.workspace_tokens,
         )
         if any(getattr(a.impl, "sliding_window", None) not in (None, -1, (-1, -1)) for _, _, a in linker.attn):
             raise RuntimeError("sliding-window attention drops tokens from chunk KV: not supported")
@@ -169,6 +177,8 @@ class EpicConnector(KVConnectorBase_V1):
             "num_layers": len(linker.layers),
             "num_kv_heads": attn.num_kv_heads,
             "head_size": attn.head_size,
+            "link_workspace_tokens": linker.workspace_tokens,
+            "link_workspace_bytes": linker._ws.numel() * linker._ws.element_size(),
         }
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -58,11 +59,23 @@ class KVLayout(ABC):
     def read(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return copies of k, v: [n, H, D] at slots: [n]."""
 
+    def range_slots(self, cache: torch.Tensor, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Slots of request positions [start, end) on the cache's device.  # -> [end-start] int64"""
+        return slots_for(block_ids, torch.arange(start, end), cache.shape[2]).to(cache.device)
+
     def write_range(
-        self, cache: torch.Tensor, block_ids: list[int], start: int, end: int, k: torch.Tensor, v: torch.Tensor
+        self,
+        cache: torch.Tensor,
+        block_ids: list[int],
+        start: int,
+        end: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor | None = None,
     ) -> None:
-        """Store k, v: [end-start, H, D] for request positions [start, end). Mutates `cache`."""
-        self.write(cache, slots_for(block_ids, torch.arange(start, end), cache.shape[2]).to(cache.device), k, v)
+        """Store k, v: [end-start, H, D] for request positions [start, end) (their `range_slots`, when the
+        caller kept them). Mutates `cache`."""
+        self.write(cache, self.range_slots(cache, block_ids, start, end) if slots is None else slots, k, v)
 
     def read_range_into(
         self, cache: torch.Tensor, block_ids: list[int], start: int, end: int, k_out: torch.Tensor, v_out: torch.Tensor
@@ -128,17 +141,53 @@ class KVLayout(ABC):
 
 
 @dataclass(slots=True)
-class CpuAttnPlan:
-    """vLLM CPU attention metadata for the query runs of several requests, packed request after request:
-    each run of consecutive positions [a, b) of a request is one "sequence" of the kernel with keys [0, b)
-    read through that request's block table, so the kernel's bottom-right causal mask is exactly each
-    linked prompt's mask."""
+class RunPlan:
+    """The query runs of several requests, packed request after request, as varlen kernel "sequences":
+    each run of consecutive recomputed positions [a, b) of a request is one sequence whose keys are [0, b)
+    read through that request's block table, so a kernel's bottom-right causal mask is exactly each linked
+    prompt's mask. Built on the CPU from the requests' R, once per link (never inside the layer loop); one
+    plan serves every backend (CPU_ATTN and FlashAttention)."""
 
     slots: torch.Tensor  # [n] int64: every packed query's slot in its own request's pages
     query_start_loc: torch.Tensor  # [runs + 1] int32, over the packed queries
-    seq_lens: torch.Tensor  # [runs] int32
+    seq_lens: torch.Tensor  # [runs] int32: keys per run
     block_table: torch.Tensor  # [runs, nblocks] int32: each run's request's block ids (0-padded)
-    scheduler_metadata: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    scheduler_metadata: torch.Tensor | None = None  # the backend's own, where it has one
+
+    @classmethod
+    def build(cls, seqs: list[tuple[list[int], torch.Tensor]], block_size: int) -> RunPlan:
+        """`seqs`: (block_ids, R) per request in packing order, R sorted and non-empty."""
+        qsl, seq_lens, tables, slots, base = [torch.zeros(1, dtype=torch.int32)], [], [], [], 0
+        for block_ids, R in seqs:
+            Rc = R.cpu()
+            starts, lens = query_runs(Rc)  # [runs + 1], [runs]: keys [0, b) of each run
+            qsl.append(starts[1:] + base)
+            seq_lens.append(lens)
+            tables.append((block_ids[: -(-int(lens[-1]) // block_size)], len(lens)))
+            slots.append(slots_for(block_ids, Rc, block_size))
+            base += len(Rc)
+        qsl_t, lens_t = torch.cat(qsl), torch.cat(seq_lens)  # [runs + 1], [runs]
+        nblk = max(len(b) for b, _ in tables)
+        bt = torch.zeros((len(lens_t), nblk), dtype=torch.int32)  # [runs, nblk]; a run reads only its seq_len
+        row = 0
+        for b, runs in tables:
+            bt[row : row + runs, : len(b)] = torch.as_tensor(b, dtype=torch.int32)
+            row += runs
+        return cls(torch.cat(slots), qsl_t, lens_t, bt, int((qsl_t[1:] - qsl_t[:-1]).max()), int(lens_t.max()))
+
+    def to(self, device: torch.device) -> RunPlan:
+        """The plan's tensors on `device` (copied once per link, before the layer loop)."""
+        if self.slots.device == torch.device(device):
+            return self
+        return RunPlan(
+            *(t.to(device, non_blocking=True) for t in (self.slots, self.query_start_loc, self.seq_lens)),
+            self.block_table.to(device, non_blocking=True),
+            self.max_query_len,
+            self.max_seq_len,
+            self.scheduler_metadata,
+        )
 
 
 class CpuAttnLayout(KVLayout):
@@ -205,7 +254,7 @@ class CpuAttnLayout(KVLayout):
 
         return put, get
 
-    def write_range(self, cache, block_ids, start, end, k, v) -> None:
+    def write_range(self, cache, block_ids, start, end, k, v, slots=None) -> None:
         edges, first, last = self._split(start, end, N := cache.shape[2])
         for a, b in edges:
             KVLayout.write_range(self, cache, block_ids, a, b, k[a - start : b - start], v[a - start : b - start])
@@ -247,37 +296,21 @@ class CpuAttnLayout(KVLayout):
         return int((R[1:] != R[:-1] + 1).sum()) + 1 <= self.MAX_KERNEL_RUNS
 
     def attention_plan(self, cache, seqs, attn):
-        N = cache.shape[2]
-        qsl, seq_lens, tables, slots, base = [torch.zeros(1, dtype=torch.int32)], [], [], [], 0
-        for block_ids, R in seqs:
-            Rc = R.cpu()
-            starts, lens = query_runs(Rc)  # [runs + 1], [runs]: keys [0, b) of each run
-            qsl.append(starts[1:] + base)
-            seq_lens.append(lens)
-            tables.append((block_ids[: -(-int(lens[-1]) // N)], len(lens)))
-            slots.append(slots_for(block_ids, Rc, N))
-            base += len(Rc)
-        qsl_t, lens_t = torch.cat(qsl), torch.cat(seq_lens)  # [runs + 1], [runs]
-        nblk = max(len(b) for b, _ in tables)
-        bt = torch.zeros((len(lens_t), nblk), dtype=torch.int32)  # [runs, nblk]; a run reads only its seq_len
-        row = 0
-        for b, runs in tables:
-            bt[row : row + runs, : len(b)] = torch.as_tensor(b, dtype=torch.int32)
-            row += runs
-        sched = vllm_api.cpu_ops().cpu_attn_get_scheduler_metadata(
-            num_reqs=len(lens_t),
+        plan = RunPlan.build(seqs, cache.shape[2])
+        plan.scheduler_metadata = vllm_api.cpu_ops().cpu_attn_get_scheduler_metadata(
+            num_reqs=len(plan.seq_lens),
             num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_size,
-            seq_lens=lens_t,
+            seq_lens=plan.seq_lens,
             dtype=cache.dtype,
-            query_start_loc=qsl_t,
+            query_start_loc=plan.query_start_loc,
             causal=True,
             sliding_window_size=-1,
             isa=self.isa,
             enable_kv_split=vllm_api.cpu_attn_split_kv(),
         )
-        return CpuAttnPlan(torch.cat(slots), qsl_t, lens_t, bt, sched)
+        return plan
 
     def attend(self, plan, attn, cache, q, k, v):
         ops = vllm_api.cpu_ops()
@@ -388,10 +421,39 @@ class ProbedCpuAttnLayout(CpuAttnLayout):
         return put, get
 
 
+class FlashKernels(Protocol):
+    """The two kernels the FlashAttention path calls: vLLM's own on CUDA (vllm_api.flash_kernels); tests
+    and the device check pass others with the same documented semantics."""
+
+    def cache_write(self, attn, k, v, key_cache, value_cache, slots) -> None:
+        """Store k, v: [n, Hkv, D] at slots: [n] of the (B, N, Hkv, D) key/value page views."""
+
+    def varlen(self, attn, q, key_cache, value_cache, out, plan: RunPlan) -> None:
+        """out[i] = attention of q[i] ([n, Hq, D]) over keys [0, seq_lens[run]) of its run, read through
+        the run's block table, causal mask bottom-right aligned (FlashAttention's varlen contract)."""
+
+
 class FlashAttnLayout(KVLayout):
-    """CUDA FlashAttention: logical [B, H, N, 2D] with K = [..., :D] and V = [..., D:]."""
+    """CUDA FlashAttention: logical [B, H, N, 2D] with K = [..., :D] and V = [..., D:]. Recomputed tokens
+    attend through FlashAttention's varlen kernel over the pages, one call per layer for a whole batched
+    link (the RunPlan's runs as kernel sequences); the plan is on the device before the layer loop, so the
+    loop has no host syncs. NOT RUN ON A GPU HERE: tested on CPU tensors with a reference kernel."""
 
     name = "flash_attn"
+
+    def __init__(self, kernels: FlashKernels | None = None) -> None:
+        self._kernels = kernels  # None: vLLM's own, looked up at the first link
+
+    @property
+    def kernels(self) -> FlashKernels:
+        if self._kernels is None:
+            self._kernels = vllm_api.flash_kernels()
+        return self._kernels
+
+    @staticmethod
+    def pages(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's own views of a layer's cache (do_kv_cache_update).  # -> key, value pages: [B, N, H, D]"""
+        return cache.transpose(1, 2).split(cache.shape[3] // 2, dim=-1)
 
     def write(self, cache, slots, k, v) -> None:
         N, D = cache.shape[2], cache.shape[3] // 2
@@ -403,6 +465,25 @@ class FlashAttnLayout(KVLayout):
         N, D = cache.shape[2], cache.shape[3] // 2
         b, o = slots // N, slots % N
         return cache[b, :, o, :D].clone(), cache[b, :, o, D:].clone()
+
+    def can_attend(self, R, start, end):
+        # Only positions this link owns may be written. Any number of runs: FlashAttention reads each run's
+        # keys once per query tile, so CacheBlend's scattered picks (runs of one query) cost what a decode
+        # step of that many sequences costs, and stay exact.
+        return len(R) > 0 and int(R[0]) >= start and int(R[-1]) < end
+
+    def attention_plan(self, cache, seqs, attn):
+        return RunPlan.build(seqs, cache.shape[2]).to(cache.device)
+
+    def attend(self, plan, attn, cache, q, k, v):
+        H, D = attn.num_kv_heads, attn.head_size
+        key_pages, value_pages = self.pages(cache)
+        n = len(plan.slots)
+        self.kernels.cache_write(attn, k.reshape(n, H, D), v.reshape(n, H, D), key_pages, value_pages, plan.slots)
+        qh = q.reshape(n, attn.num_heads, D).contiguous()
+        out = torch.empty_like(qh)
+        self.kernels.varlen(attn, qh, key_pages, value_pages, out, plan)
+        return out.view(n, -1)
 
 
 def layout_for(attn_layer: torch.nn.Module) -> KVLayout:

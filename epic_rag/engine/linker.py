@@ -40,6 +40,17 @@ CHECK_LAYER = 1  # CacheBlend selects its tokens from the deviation at this laye
 ATTN_BUCKET = 256  # recompute queries are grouped by position // ATTN_BUCKET for the sparse attention
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A chunk's KV on the linker's device. To a GPU: from page-locked host memory, asynchronously (the copy
+    overlaps the rotation and recompute queued behind it on the stream; a pageable tensor is first copied
+    into torch's caching pinned-memory pool, which keeps the block until the copy is done)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass(slots=True)
 class LinkLoad:
     """One request to link: its job and the positions [start, end) of its paged KV to fill."""
@@ -58,8 +69,9 @@ class _Seq:
     R: torch.Tensor  # [nR] int64, sorted: positions recomputed from the current layer on
     cached: torch.Tensor  # [T] bool: positions with chunk KV
     candidate: torch.Tensor  # [T] bool: positions CacheBlend may pick
-    K: torch.Tensor | None = None  # [L, Hkv, T, D] fp32 (head-major), a view into the linker's workspace
+    K: torch.Tensor | None = None  # [L, Hkv, T, D] (head-major, the cache's dtype), a view into the workspace
     V: torch.Tensor | None = None  # [L, Hkv, T, D]
+    slots: torch.Tensor | None = None  # [end - start] int64 on the cache's device: the pages' slots of [start, end)
     paged: bool = False  # attends with the kernel (from the current layer on)
     old_k: torch.Tensor | None = None  # [nR, Hkv, D] cached keys at R, kept by the shim at CHECK_LAYER
 
@@ -142,7 +154,7 @@ class _LinkAttention(torch.nn.Module):
             Rg = R[lo:hi]
             T = int(Rg[-1]) + 1
             g = hi - lo
-            Kh, Vh = K[:, :T], V[:, :T]  # [Hkv, T, D]
+            Kh, Vh = K[:, :T].float(), V[:, :T].float()  # [Hkv, T, D] (a copy only where the cache is 16-bit)
             qg = qh[:, :, lo:hi].reshape(Hk, G * g, D)
             scores = torch.bmm(qg, Kh.transpose(1, 2)).mul_(self.scale).view(Hk, G, g, T)
             # Keys before the group's first query are visible to all of it: mask only the tail.
@@ -165,6 +177,9 @@ class Linker:
     block_size: int
     layers: list[torch.nn.Module] = field(init=False)
     attn: list[tuple[torch.nn.Module, str, torch.nn.Module]] = field(init=False)
+    # Prompt tokens one recompute pass may hold (summed over its requests): the K/V workspace is allocated
+    # for this many once, at attach, and a step's links beyond it run in several passes.
+    workspace_tokens: int = 8192
     # requests per batched recompute pass -> passes run (bounded: at most max_num_seqs sizes)
     batch_sizes: Counter = field(init=False, default_factory=Counter)
 
@@ -172,12 +187,17 @@ class Linker:
         self.layers = vllm_api.decoder_layers(self.model)
         self.attn = [vllm_api.find_attention(layer) for layer in self.layers]
         self._embed = vllm_api.embed_fn(self.model)
+        first, cache = self.attn[0][2], self.cache_of(0)
+        self._token_numel = 2 * len(self.layers) * first.num_kv_heads * first.head_size  # K and V, every layer
+        # One workspace for the linker's life, in the cache's dtype (what the pages hold), allocated now and
+        # never grown: its size is known at start-up (workspace_bytes, counted in the memory vLLM is given:
+        # engine_memory.py), and first-touch page faults on fresh buffers were ~40% of a CPU link.
+        self._ws = torch.empty(self.workspace_tokens * self._token_numel, dtype=cache.dtype, device=cache.device)
 
-    def _workspace(self, numel: int, device) -> torch.Tensor:
-        ws = getattr(self, "_ws", None)
-        if ws is None or ws.numel() < numel or ws.device != torch.device(device):
-            self._ws = ws = torch.empty(numel, dtype=torch.float32, device=device)
-        return ws[:numel]
+    @staticmethod
+    def workspace_bytes(tokens: int, num_layers: int, num_kv_heads: int, head_size: int, dtype_bytes: int) -> int:
+        """Bytes of the K/V workspace for `tokens` prompt tokens of a model of that shape."""
+        return 2 * num_layers * num_kv_heads * head_size * dtype_bytes * tokens
 
     def cache_of(self, li: int) -> torch.Tensor:
         return self.kv_caches[self.attn[li][2].layer_name]
@@ -192,23 +212,39 @@ class Linker:
         if not loads:
             return
         device = self.cache_of(0).device
-        first = self.attn[0][2]
-        L, Hk, D = len(self.layers), first.num_kv_heads, first.head_size
         seqs = []
         for load in loads:
             try:
                 seqs.append(self._check(load, device))
             except Exception as e:
                 self._fail(load.job, e)
-        # Cached KV of every request for every layer at once, keys rotated to their linked positions (fp32).
-        # One persistent workspace for the batch (sum of the requests' T), not fresh tensors: first-touch page
-        # faults on ~200 MB per request were ~40% of a link. Left uninitialised: every position outside the
-        # spans is in R and is written by the shim before any read.
-        sizes = [2 * L * Hk * len(s.load.job.token_ids) * D for s in seqs]
-        ws = self._workspace(sum(sizes), device)
+        for group in self._passes(seqs):
+            self._link_pass(group, device)
+
+    def _passes(self, seqs: list[_Seq]) -> list[list[_Seq]]:
+        """The requests split, in order, into passes that each fit the workspace."""
+        groups: list[list[_Seq]] = [[]]
+        used = 0
+        for s in seqs:
+            T = len(s.load.job.token_ids)
+            if groups[-1] and used + T > self.workspace_tokens:
+                groups.append([])
+                used = 0
+            groups[-1].append(s)
+            used += T
+        return [g for g in groups if g]
+
+    def _link_pass(self, seqs: list[_Seq], device) -> None:
+        """One batched pass: the requests' cached KV into the workspace (keys rotated to their linked
+        positions), then the recompute over all of them. Left uninitialised: every position outside the spans
+        is in R and is written by the shim before any read."""
+        first = self.attn[0][2]
+        L, Hk, D = len(self.layers), first.num_kv_heads, first.head_size
         ok, off = [], 0
-        for s, n in zip(seqs, sizes):
-            s.K, s.V = ws[off : off + n].view(2, L, Hk, n // (2 * L * Hk * D), D).unbind(0)  # [L, Hkv, T, D] each
+        for s in seqs:
+            T = len(s.load.job.token_ids)
+            n = T * self._token_numel
+            s.K, s.V = self._ws[off : off + n].view(2, L, Hk, T, D).unbind(0)  # [L, Hkv, T, D] each
             off += n
             try:
                 self._fill(s, device)
@@ -230,6 +266,8 @@ class Linker:
         T = len(job.token_ids)
         assert 0 <= load.start <= load.end <= T, (load.start, load.end, T)
         assert len(load.block_ids) * self.block_size >= load.end, (len(load.block_ids), load.end)
+        if T > self.workspace_tokens:
+            raise ValueError(f"a link of {T} tokens exceeds the linker's workspace of {self.workspace_tokens} tokens")
         R = job.initial_recompute().to(device)  # [nR]
         cached, candidate = (m.to(device) for m in job.masks())  # [T] each
         assert bool((cached | torch.isin(torch.arange(T, device=device), R)).all()), "uncached token not recomputed"
@@ -239,15 +277,17 @@ class Linker:
         """The request's buffers: every span's cached KV, keys rotated to where the span sits."""
         for sp in s.load.job.spans:
             n = sp.kv.num_tokens
-            rk = self.rotator.rotate(sp.kv.k.to(device), sp.start - sp.kv.base_pos)  # [L, n, Hkv, D]
+            rk = self.rotator.rotate(to_device(sp.kv.k, device), sp.start - sp.kv.base_pos)  # [L, n, Hkv, D]
             s.K[:, :, sp.start : sp.start + n] = rk.transpose(1, 2)
-            s.V[:, :, sp.start : sp.start + n] = sp.kv.v.to(device).transpose(1, 2)
+            s.V[:, :, sp.start : sp.start + n] = to_device(sp.kv.v, device).transpose(1, 2)
 
     def _plan(self, seqs: list[_Seq], cache: torch.Tensor) -> object | None:
         """Mark which requests attend with the kernel from here on, and one plan for all of them (None: none)."""
         first = self.attn[0][2]
         for s in seqs:
             s.paged = self.layout.can_attend(s.R, s.load.start, s.load.end)
+            if s.slots is None:  # once per request: the per-layer page writes then copy nothing to the device
+                s.slots = self.layout.range_slots(cache, s.load.block_ids, s.load.start, s.load.end)
         kern = [(s.load.block_ids, s.R) for s in seqs if s.paged]
         return self.layout.attention_plan(cache, kern, first) if kern else None
 
@@ -288,7 +328,9 @@ class Linker:
         """The request's buffered K/V of layer li at [start, end) into its pages."""
         a, b = s.load.start, s.load.end
         K, V = s.K[li], s.V[li]  # [Hkv, T, D]
-        self.layout.write_range(cache, s.load.block_ids, a, b, K[:, a:b].transpose(0, 1), V[:, a:b].transpose(0, 1))
+        self.layout.write_range(
+            cache, s.load.block_ids, a, b, K[:, a:b].transpose(0, 1), V[:, a:b].transpose(0, 1), slots=s.slots
+        )
 
     @staticmethod
     def _blend_select(seqs: list[_Seq], li: int, h, residual):

@@ -17,6 +17,8 @@ Internals (read from vLLM 0.32.0's source; nothing guarantees them):
 - the CPU attention backend's ops `cpu_attn_reshape_and_cache`, `cpu_attention_with_kv_cache`,
   `cpu_attn_get_scheduler_metadata` and `envs.VLLM_CPU_ATTN_SPLIT_KV`; backend impl class names
   `CPUAttentionBackendImpl` / `FlashAttentionImpl` and the layer's `isa` (layout.py via cpu_ops);
+- CUDA only (not run here): `fa_utils.reshape_and_cache_flash` / `flash_attn_varlen_func` with the layer's
+  `kv_cache_dtype`, `_k_scale`, `_v_scale` and `impl.vllm_flash_attn_version` (flash_kernels);
 - the scheduler's `kv_cache_manager.get_blocks(req_id).get_block_ids()` and `SchedulerOutput`'s
   `scheduled_new_reqs`, `scheduled_cached_reqs`, `num_scheduled_tokens` (scheduled_steps, block_ids_of);
 - `get_kv_transfer_group()` and `worker.model_runner.get_model()` (worker_model, kv_connector).
@@ -70,6 +72,7 @@ def new_llm_engine(model_dir: str, dtype: str, config) -> Any:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    ws_tokens = config.link_workspace_tokens or 2 * config.max_model_len
     args = EngineArgs(
         model=model_dir,
         dtype=dtype,
@@ -79,13 +82,54 @@ def new_llm_engine(model_dir: str, dtype: str, config) -> Any:
         enforce_eager=True,
         enable_prefix_caching=True,
         seed=config.seed,
-        gpu_memory_utilization=config.gpu_memory_utilization,
+        gpu_memory_utilization=gpu_memory_share(config, model_dir, dtype, ws_tokens),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="EpicConnector", kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both"
+            kv_connector="EpicConnector",
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_connector_extra_config={"workspace_tokens": ws_tokens},
         ),
         worker_extension_cls=f"{CONNECTOR_MODULE}.EpicWorkerExtension",
     )
     return LLMEngine.from_engine_args(args)
+
+
+def link_workspace_bytes(model_dir: str, dtype: str, tokens: int) -> int:
+    """Bytes of the linker's K/V workspace for `tokens` prompt tokens, from the model's config.json."""
+    import json
+    from pathlib import Path
+
+    from .linker import Linker
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_size = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return Linker.workspace_bytes(
+        tokens,
+        cfg["num_hidden_layers"],
+        cfg.get("num_key_value_heads", heads),
+        head_size,
+        torch.empty(0, dtype=getattr(torch, dtype)).element_size(),
+    )
+
+
+def gpu_memory_share(
+    config, model_dir: str, dtype: str, workspace_tokens: int, total_bytes: int | None = None
+) -> float:
+    """The fraction of GPU memory vLLM is told to use: the configured one less the linker's workspace, which
+    the linker allocates after vLLM has sized its KV cache (so it is counted inside the configured share,
+    not beside it). On CPU the configured value (it does not size the KV cache there: kv_cache_gib does)."""
+    if total_bytes is None:
+        if not torch.cuda.is_available():
+            return config.gpu_memory_utilization
+        total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    share = config.gpu_memory_utilization - link_workspace_bytes(model_dir, dtype, workspace_tokens) / total_bytes
+    if share <= 0.05:
+        raise ValueError(
+            f"the linker's workspace ({workspace_tokens} tokens) leaves vLLM {share:.0%} of the GPU's memory: "
+            "lower link_workspace_tokens or raise gpu_memory_utilization"
+        )
+    return share
 
 
 def request_inputs(
@@ -219,6 +263,41 @@ def cpu_ops():
     from vllm import _custom_ops as ops
 
     return ops
+
+
+class _VllmFlashKernels:
+    """vLLM's CUDA cache write and FlashAttention varlen kernel, called the way its FlashAttentionImpl calls
+    them (the layer's own kv_cache_dtype, scales and FA version). NOT RUN ON A GPU HERE."""
+
+    def __init__(self) -> None:
+        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, reshape_and_cache_flash
+
+        self._write, self._varlen = reshape_and_cache_flash, flash_attn_varlen_func
+
+    def cache_write(self, attn, k, v, key_cache, value_cache, slots) -> None:
+        self._write(k, v, key_cache, value_cache, slots, attn.kv_cache_dtype, attn._k_scale, attn._v_scale)
+
+    def varlen(self, attn, q, key_cache, value_cache, out, plan) -> None:
+        impl = attn.impl
+        self._varlen(
+            q=q,
+            k=key_cache,
+            v=value_cache,
+            out=out,
+            cu_seqlens_q=plan.query_start_loc,
+            max_seqlen_q=plan.max_query_len,
+            seqused_k=plan.seq_lens,
+            max_seqlen_k=plan.max_seq_len,
+            softmax_scale=impl.scale,
+            causal=True,
+            block_table=plan.block_table,
+            fa_version=impl.vllm_flash_attn_version,
+        )
+
+
+def flash_kernels() -> _VllmFlashKernels:
+    """vLLM's FlashAttention kernels (CUDA builds only)."""
+    return _VllmFlashKernels()
 
 
 def cpu_attn_split_kv() -> bool:
