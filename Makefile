@@ -19,7 +19,7 @@ test: setup
 demo: setup
 	$(VENV)/epic-rag demo
 
-# Benchmarks (not tests): every part (link, store, accuracy, sync, async, scaling) writes <part>.json and
+# Benchmarks (not tests): every part (link, store, accuracy, sync, load, scaling) writes <part>.json and
 # Markdown into docs/bench/ with the command that made it.
 bench: setup
 	$(VENV)/epic-rag bench all --out docs/bench

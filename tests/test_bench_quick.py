@@ -46,7 +46,8 @@ def test_quick_bench_writes_every_policy_for_every_part(smol_engine, tmp_path):
     sync = json.loads((tmp_path / "sync.json").read_text())
     assert {r["policy"] for r in sync} == set(COMPARED_POLICIES)
     assert all(r["ttft_median_s"] > 0 for r in sync)
-    assert json.loads((tmp_path / "async.json").read_text())
+    assert json.loads((tmp_path / "load.json").read_text())["summary"]
+    assert "## Load to saturation" in report.read_text()
     assert json.loads((tmp_path / "scaling.json").read_text())
     link = json.loads((tmp_path / "link.json").read_text())
     assert [r["policy"] for r in link["ttft"]] == COMPARED_POLICIES and link["compile_vs_prefill"] > 0
@@ -60,3 +61,33 @@ def test_quick_bench_writes_every_policy_for_every_part(smol_engine, tmp_path):
     before = (tmp_path / "accuracy_rows.jsonl").read_text()
     run(argparse.Namespace(**{**vars(args), "what": "accuracy"}), engine=smol_engine)
     assert (tmp_path / "accuracy_rows.jsonl").read_text() == before
+
+
+def test_quick_load_sweeps_each_policy_on_a_shared_ladder_with_fixed_length_streams(smol_engine, tmp_path):
+    from epic_rag.bench.cli import parse_args, run
+    from epic_rag.bench.latency import LOAD_POLICIES
+    from epic_rag.bench.load import QUICK_SETTINGS as Q
+
+    report = run(parse_args(["load", "--quick", "--out", str(tmp_path), "--no-progress"]), engine=smol_engine)
+    data = json.loads((tmp_path / "load.json").read_text())
+    assert list(data["policies"]) == list(LOAD_POLICIES)
+    for d in data["policies"].values():
+        unl = d["unloaded"]
+        assert unl["completed"] == Q.unloaded_requests and unl["errors"] == 0
+        assert unl["tokens_mean"] == Q.output_tokens  # EOS ignored: every answer has the same length
+        assert unl["itl_p50_s"] > 0 and unl["ttft_p50_s"] > 0
+        assert d["ended_by"] in ("saturation", "cap", "max-steps")
+        assert 1 <= len(d["rows"]) <= Q.max_steps
+        rates = [r["rate"] for r in d["rows"]]
+        assert all(b == a * Q.factor for a, b in zip(rates, rates[1:]))  # one ladder, x factor per step
+        for r in d["rows"]:
+            assert r["errors"] == 0 and r["completed"] + r["cut"] == r["requests"]
+            assert r["offered_rps"] == pytest.approx(r["rate"])  # the trace's rate is the step's
+            if r["completed"] >= 2:
+                assert r["tokens_mean"] == Q.output_tokens and r["itl_p50_s"] > 0 and r["completed_rps"] > 0
+    assert [s["policy"] for s in data["summary"]] == list(LOAD_POLICIES)
+    assert len(data["targets"]) == 3
+    md = (tmp_path / "load.md").read_text()
+    assert "Command: `" in md and "## Summary" in md and "## Every step" in md
+    assert (tmp_path / "throughput_vs_rate.png").exists() and (tmp_path / "itl_vs_rate.png").exists()
+    assert "## Load to saturation" in report.read_text()

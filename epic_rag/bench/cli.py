@@ -1,14 +1,16 @@
-"""`epic-rag bench {link,store,accuracy,sync,async,scaling,all,report}` with `--quick` for CI smoke tests.
+"""`epic-rag bench {link,store,accuracy,sync,load,scaling,all,report}` with `--quick` for CI smoke tests.
 
 Every part writes `<out>/<part>.json` and Markdown into `--out` (default docs/bench for SmolLM2,
-docs/bench/qwen for Qwen2.5-Coder-0.5B): link.md, store.md and accuracy.md (+ accuracy.png) for those
-parts; the comparisons (accuracy, sync, async, scaling) one report, README.md, with meta.json (model,
-machine, the commands that made them) and plots.
+docs/bench/qwen for Qwen2.5-Coder-0.5B): link.md, store.md, load.md (+ throughput_vs_rate.png,
+itl_vs_rate.png) and accuracy.md (+ accuracy.png) for those parts; the comparisons (accuracy, sync, load,
+scaling) one report, README.md, with meta.json (model, machine, the commands that made them) and plots.
+`async` is the load part's former name, kept as an alias.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from .accuracy import (
@@ -20,16 +22,15 @@ from .accuracy import (
     TASKS,
 )
 from .common import DEFAULT_OUT, MODEL_OUT, default_out
+from .load import QUICK_SETTINGS, LoadSettings
 
-PARTS = ["link", "store", "accuracy", "sync", "async", "scaling"]
-REPORTED = {"accuracy", "sync", "async", "scaling"}  # the parts docs/bench/README.md reports
+PARTS = ["link", "store", "accuracy", "sync", "load", "scaling"]
+ALIASES = {"async": "load"}  # former part names
+REPORTED = {"accuracy", "sync", "load", "scaling"}  # the parts docs/bench/README.md reports
 QUICK = dict(
     contexts=(256, 512),
     chunk_tokens=128,
     reps=1,
-    rates=(0.5,),
-    n_requests=2,
-    pool_size=4,
     counts=(2, 4),
     scaling_chunk_tokens=64,
     link_chunks=2,
@@ -48,11 +49,12 @@ def run(args: argparse.Namespace, engine=None) -> Path:
     from . import accuracy as A
     from . import latency as L
     from . import link, store
+    from . import load as LD
     from .common import command_line, load_json, machine, save_json
     from .report import write_report
 
     out = Path(args.out) if args.out else default_out(args.model)
-    what = args.what
+    what = ALIASES.get(args.what, args.what)
     parts = PARTS if what == "all" else [what]
     own = engine is None
     if own:
@@ -117,19 +119,8 @@ def run(args: argparse.Namespace, engine=None) -> Path:
             progress=progress,
         )
         save_json(out, "sync", rows)
-    if "async" in parts:
-        kw = (
-            dict(
-                rates=QUICK["rates"],
-                n_requests=QUICK["n_requests"],
-                pool_size=QUICK["pool_size"],
-                chunk_tokens=QUICK["chunk_tokens"],
-            )
-            if q
-            else {}
-        )
-        rows = L.async_load(engine, policies=tuple(pols or L.LOAD_POLICIES), progress=progress, **kw)
-        save_json(out, "async", rows)
+    if "load" in parts:
+        LD.run(engine, out, model, policies=pols, settings=load_settings(args), progress=progress)
     if "scaling" in parts:
         kw = dict(counts=QUICK["counts"], chunk_tokens=QUICK["scaling_chunk_tokens"], reps=1) if q else {}
         rows = L.scaling(engine, policies=tuple(pols or L.LOAD_POLICIES), progress=progress, **kw)
@@ -143,7 +134,7 @@ def run(args: argparse.Namespace, engine=None) -> Path:
 def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "what",
-        choices=[*PARTS, "all", "report"],
+        choices=[*PARTS, *ALIASES, "all", "report"],
         nargs="?",
         default="all",
         help="all: every part; report: rewrite README.md from the results in --out",
@@ -196,7 +187,51 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help="what chunks are compiled behind: the default prompt up to its first document (template), or the "
         "sink token alone (EPIC's reference compile); rows record it",
     )
+    b.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help=f"load: time budget of each policy's rate sweep (default {LoadSettings.max_minutes:g}); a sweep "
+        "that reaches it before saturating is recorded as ended by `cap`",
+    )
+    b.add_argument(
+        "--rate-factor",
+        type=float,
+        default=None,
+        help=f"load: rate ratio between steps (default {LoadSettings.factor:g})",
+    )
+    b.add_argument(
+        "--start-load",
+        type=float,
+        default=None,
+        help=f"load: first rate ~ this / the policy's unloaded service time (default {LoadSettings.start_load:g})",
+    )
+    b.add_argument(
+        "--output-tokens",
+        type=int,
+        default=None,
+        help=f"load: tokens generated per request, EOS ignored (default {LoadSettings.output_tokens})",
+    )
     b.add_argument("--no-progress", action="store_true")
+
+
+def load_settings(args: argparse.Namespace) -> LoadSettings:
+    """The load part's settings: the defaults (QUICK_SETTINGS with --quick), then the options given."""
+    base = QUICK_SETTINGS if args.quick else LoadSettings()
+    given = {
+        "max_minutes": args.max_minutes,
+        "factor": args.rate_factor,
+        "start_load": args.start_load,
+        "output_tokens": args.output_tokens,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if given.get("factor", 2.0) <= 1.0:
+        raise SystemExit("--rate-factor must be above 1")
+    if given.get("output_tokens", 2) < 2:
+        raise SystemExit("--output-tokens must be at least 2 (an inter-token latency needs two tokens)")
+    if given.get("max_minutes", 1.0) <= 0 or given.get("start_load", 1.0) <= 0:
+        raise SystemExit("--max-minutes and --start-load must be positive")
+    return dataclasses.replace(base, **given)
 
 
 def _samples_arg(text: str) -> tuple[str | None, int]:

@@ -1,16 +1,15 @@
-"""Latency benchmarks: synchronous TTFT per context length, open-loop async load, chunk-count scaling."""
+"""Latency benchmarks: synchronous TTFT per context length, chunk-count scaling (the open-loop load
+benchmark is load.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import resource
-import time
 
 from ..types import RagRequest
-from .common import corpus_chunks, median, percentile
+from .common import corpus_chunks, median
 
-# EPIC's comparison: every policy in the accuracy and synchronous tables; the load tests keep four.
+# EPIC's comparison: every policy in the accuracy and synchronous tables; the load and scaling tests keep four.
 COMPARED_POLICIES = [
     "full",
     "prefix",
@@ -71,78 +70,6 @@ def sync_latency(
                     "samples": samples[p],
                 }
             )
-    bar.close()
-    return rows
-
-
-async def _open_loop(
-    engine, policy: str, rate: float, n_requests: int, pool: list[str], k: int, seed: int, max_tokens: int
-) -> dict:
-    rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    for _ in range(n_requests):
-        t += rng.expovariate(rate)
-        arrivals.append(t)
-    start = time.perf_counter()
-    ttfts: list[float] = []
-    errors = 0
-
-    async def one(at: float, chunks: list[str]):
-        nonlocal errors
-        await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-        try:
-            g = await engine.agenerate(
-                RagRequest(question=QUESTION, chunks=chunks), max_tokens=max_tokens, policy=policy
-            )
-            ttfts.append(g.ttft_s)
-        except Exception:
-            errors += 1
-
-    await asyncio.gather(*[one(at, rng.sample(pool, k)) for at in arrivals])
-    wall = time.perf_counter() - start
-    return {
-        "policy": policy,
-        "rate": rate,
-        "requests": n_requests,
-        "completed": len(ttfts),
-        "errors": errors,
-        "throughput_rps": len(ttfts) / wall,
-        "ttft_p50_s": percentile(ttfts, 0.5),
-        "ttft_p90_s": percentile(ttfts, 0.9),
-        "ttft_p99_s": percentile(ttfts, 0.99),
-        "wall_s": wall,
-    }
-
-
-def async_load(
-    engine,
-    rates=(0.25, 0.5, 1.0, 2.0),
-    policies=LOAD_POLICIES,
-    n_requests=12,
-    pool_size=12,
-    chunks_per_request=4,
-    chunk_tokens=512,
-    max_tokens=8,
-    progress=True,
-) -> list[dict]:
-    """Poisson arrivals at each rate; each request draws chunks from a shared pool (all compiled up front,
-    as a corpus is); stops raising the rate for a policy once it saturates (throughput < 70% of rate)."""
-    from tqdm import tqdm
-
-    pool = corpus_chunks(engine.tokenizer, pool_size, chunk_tokens, offset=16)
-    engine.compile(pool)
-    rows = []
-    bar = tqdm(total=len(rates) * len(policies), desc="async load", disable=not progress)
-    for p in policies:
-        for i, rate in enumerate(rates):
-            r = asyncio.run(
-                _open_loop(engine, p, rate, n_requests, pool, chunks_per_request, seed=i, max_tokens=max_tokens)
-            )
-            rows.append(r)
-            bar.update(1)
-            if r["throughput_rps"] < 0.7 * rate:
-                bar.update(len(rates) - i - 1)
-                break
     bar.close()
     return rows
 

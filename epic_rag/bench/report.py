@@ -1,5 +1,6 @@
 """The comparisons' Markdown report (out/README.md) and plots (TTFT vs accuracy, TTFT vs context,
-throughput vs rate), assembled from the JSON results with the command, model, machine and date."""
+throughput and ITL vs offered load), assembled from the JSON results with the command, model, machine and
+date; accuracy.md and load.md, the two parts' own reports."""
 
 from __future__ import annotations
 
@@ -181,14 +182,29 @@ def _policies(rows: list[dict]) -> list[str]:
 
 
 def _line_plot(
-    out: Path, name: str, series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, title: str
+    out: Path,
+    name: str,
+    series: dict[str, list[tuple[float, float]]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    log: bool = False,
+    styles: dict[str, dict] | None = None,
 ) -> str:
-    """One line per policy (points (x, y)), saved as out/name; returns name."""
+    """One line per policy (points (x, y)), saved as out/name; returns name. log: both axes logarithmic;
+    styles: matplotlib keywords per series label (e.g. a dashed reference line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, pts in series.items():
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], label=label, **(styles or {}).get(label, {"marker": "o"}))
+    if log:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)
@@ -200,7 +216,189 @@ def _line_plot(
     return name
 
 
-def _plots(out: Path, sync, asyn, acc, model: str) -> list[str]:
+def _num(x, fmt: str = ".3f", scale: float = 1.0, suffix: str = "") -> str:
+    """A figure for a table; "n/a" for None or NaN."""
+    return "n/a" if x is None or x != x else f"{x * scale:{fmt}}{suffix}"
+
+
+def _met(ok) -> str:
+    return "n/a" if ok is None else "yes" if ok else "**NO**"
+
+
+def load_summary_md(load: dict) -> list[str]:
+    """The load benchmark's summary: per policy, saturated req/s and its ratios, TTFT and ITL at half
+    saturation, the unloaded ITL p99; then the issue's targets with their verdicts."""
+    from .load import REFERENCES
+
+    md = table(
+        [
+            "policy",
+            "saturated req/s",
+            *(f"vs {ref}" for ref in REFERENCES),
+            "sweep ended by",
+            "half-sat. offered req/s",
+            "TTFT p50 / p99 (s)",
+            "ITL p50 / p99 (ms)",
+            "unloaded ITL p99 (ms)",
+            "ITL p99 / unloaded",
+        ],
+        [
+            [
+                r["policy"],
+                _num(r["saturated_rps"]),
+                *(_num(r[f"vs_{ref}"], ".2f", suffix="x") for ref in REFERENCES),
+                r["ended_by"],
+                _num(r["half_rate_rps"]),
+                f"{_num(r['half_ttft_p50_s'])} / {_num(r['half_ttft_p99_s'])}",
+                f"{_num(r['half_itl_p50_s'], '.1f', 1e3)} / {_num(r['half_itl_p99_s'], '.1f', 1e3)}",
+                _num(r["unloaded_itl_p99_s"], ".1f", 1e3),
+                _num(r["itl_p99_ratio"], ".2f", suffix="x"),
+            ]
+            for r in load["summary"]
+        ],
+    )
+    md += [""] + table(
+        ["target", "measured", "met", "note"],
+        [[t["target"], _num(t["measured"], ".2f", suffix="x"), _met(t["met"]), t["note"]] for t in load["targets"]],
+    )
+    return md
+
+
+def load_section(load: dict) -> list[str]:
+    """The report's load section: the summary and targets, a pointer to load.md for every rate."""
+    s = load["settings"]
+    return [
+        f"## Load to saturation (open-loop Poisson, {s['k_min']}-{s['k_max']} chunks of {s['chunk_tokens']} "
+        f"tokens per request, {s['output_tokens']} tokens generated)",
+        "",
+        "Saturated req/s: the highest completed req/s of a policy's sweep; TTFT and ITL at the step nearest half "
+        "of it. Every rate in [load.md](load.md).",
+        "",
+        *load_summary_md(load),
+        "",
+    ]
+
+
+def load_markdown(load: dict, plots: list[str]) -> str:
+    """load.md: summary, targets, unloaded figures and every step, with the command, model and machine."""
+    from .load import CUT_AFTER
+
+    s, mc = load["settings"], load["machine"]
+    md = [
+        f"# Load benchmark: open-loop Poisson arrivals to saturation ({load['model']})",
+        "",
+        f"Command: `{load['command']}`  ",
+        f"Machine: {mc['cpu']}, {mc['cores']} cores; date {mc['date']}; commit {mc['commit']}  ",
+        f"Run time: {load['total_s'] / 60:.1f} min (pool compiled in {load['compile_s']:.1f} s)",
+        "",
+        f"Requests: {s['k_min']}-{s['k_max']} chunks each (k uniform) drawn from a pool of {s['pool_size']} chunks "
+        f"x {s['chunk_tokens']} tokens compiled up front, and one question; exactly {s['output_tokens']} tokens "
+        "generated (EOS ignored), temperature 0. Rates: a ladder of "
+        f"{s['factor']:g}^i req/s shared by every policy, from the step nearest {s['start_load']:g} / the policy's "
+        f"unloaded service time (E2E median), x{s['factor']:g} per step; each step sends max({s['min_requests']}, "
+        f"min({s['max_requests']}, rate x {s['window_s']:g} s)) requests with Poisson arrivals (open loop; the "
+        "trace rescaled so that its rate is the step's exactly), the same arrival trace and chunk draws for "
+        "every policy at a given rate (seeded by the step). A sweep ends "
+        f"at saturation (completed req/s < {s['throughput_floor']:g} x offered, or TTFT p50 > "
+        f"{s['ttft_blowup']:g} x unloaded), after errors (> {s['max_error_rate']:.0%} of a step), or at its "
+        f"{s['max_minutes']:g}-minute budget (`cap`: the next step would not fit, or a step was cut at "
+        f"{CUT_AFTER:g}x the budget; the policy did not saturate).",
+        "",
+        "Offered req/s: the trace's measured arrival rate, (n - 1) / arrival span; completed req/s: the "
+        "departure rate, (n - 1) / completion span (the arrival rate below saturation, the capacity above it). "
+        "TTFT and E2E from each request's scheduled arrival; ITL: gaps between consecutive token deltas (engine "
+        "timestamps), pooled over the step's requests. Send lag: how late the harness sent a request after its "
+        "scheduled arrival (counted in its TTFT).",
+        "",
+        "## Summary",
+        "",
+        *load_summary_md(load),
+        "",
+        "## Unloaded (one request at a time)",
+        "",
+        *table(
+            ["policy", "requests", "TTFT p50 (s)", "ITL p50 (ms)", "ITL p99 (ms)", "E2E p50 (s)"],
+            [
+                [
+                    p,
+                    d["unloaded"]["completed"],
+                    _num(d["unloaded"]["ttft_p50_s"]),
+                    _num(d["unloaded"]["itl_p50_s"], ".1f", 1e3),
+                    _num(d["unloaded"]["itl_p99_s"], ".1f", 1e3),
+                    _num(d["unloaded"]["e2e_p50_s"]),
+                ]
+                for p, d in load["policies"].items()
+            ],
+        ),
+        "",
+        "## Every step",
+        "",
+        *table(
+            [
+                "policy",
+                "rate (req/s)",
+                "offered req/s",
+                "completed",
+                "errors",
+                "completed req/s",
+                "of offered",
+                "TTFT p50 / p99 (s)",
+                "ITL p50 / p99 (ms)",
+                "E2E p50 / p99 (s)",
+                "send lag max (ms)",
+                "saturated",
+            ],
+            [
+                [
+                    r["policy"],
+                    f"{r['rate']:g}",
+                    _num(r["offered_rps"]),
+                    f"{r['completed']}/{r['requests']}" + (f" ({r['cut']} cut)" if r["cut"] else ""),
+                    r["errors"],
+                    _num(r["completed_rps"]),
+                    _num(r["completed_rps"] / r["offered_rps"], ".2f") if r["offered_rps"] else "n/a",
+                    f"{_num(r['ttft_p50_s'])} / {_num(r['ttft_p99_s'])}",
+                    f"{_num(r['itl_p50_s'], '.1f', 1e3)} / {_num(r['itl_p99_s'], '.1f', 1e3)}",
+                    f"{_num(r['e2e_p50_s'])} / {_num(r['e2e_p99_s'])}",
+                    _num(r.get("dispatch_lag_max_s"), ".0f", 1e3),
+                    r["saturated"] or "",
+                ]
+                for r in load["rows"]
+            ],
+        ),
+        "",
+        *(f"![{p}]({p})" for p in plots),
+    ]
+    return "\n".join(md) + "\n"
+
+
+def load_plot(out: Path, load: dict) -> list[str]:
+    """throughput_vs_rate.png (completed against offered req/s per policy, log-log, with the offered line)
+    and itl_vs_rate.png (ITL p99 against offered req/s)."""
+    rows = load["rows"]
+    if not rows:
+        return []
+    pols = _policies(rows)
+    lo, hi = min(r["offered_rps"] for r in rows), max(r["offered_rps"] for r in rows)
+    thr = {p: sorted((r["offered_rps"], r["completed_rps"]) for r in rows if r["policy"] == p) for p in pols}
+    thr["completed = offered"] = [(lo, lo), (hi, hi)]
+    itl = {p: sorted((r["offered_rps"], 1e3 * r["itl_p99_s"]) for r in rows if r["policy"] == p) for p in pols}
+    return [
+        _line_plot(
+            out,
+            "throughput_vs_rate.png",
+            thr,
+            "offered (req/s)",
+            "completed (req/s)",
+            "Throughput vs offered Poisson load",
+            log=True,
+            styles={"completed = offered": {"linestyle": "--", "color": "grey"}},
+        ),
+        _line_plot(out, "itl_vs_rate.png", itl, "offered (req/s)", "ITL p99 (ms)", "ITL p99 vs offered load", log=True),
+    ]
+
+
+def _plots(out: Path, sync, load, acc, model: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,18 +427,8 @@ def _plots(out: Path, sync, asyn, acc, model: str) -> list[str]:
             for p in _policies(sync)
         }
         made.append(_line_plot(out, "ttft_vs_context.png", pts, "prompt tokens", "TTFT median (s)", "TTFT vs context"))
-    if asyn:
-        pts = {p: [(r["rate"], r["throughput_rps"]) for r in asyn if r["policy"] == p] for p in _policies(asyn)}
-        made.append(
-            _line_plot(
-                out,
-                "throughput_vs_rate.png",
-                pts,
-                "offered load (req/s)",
-                "completed (req/s)",
-                "Throughput vs request rate",
-            )
-        )
+    if load:
+        made += load_plot(out, load)
     return made
 
 
@@ -252,8 +440,8 @@ def _section(title: str, note: str | None, columns: list[str], rows: list[list])
 def write_report(out: Path, title: str = "Benchmarks") -> Path:
     """Assemble every result file present under `out` into out/README.md (+ plots)."""
     meta = load_json(out, "meta") or {}
-    sync, asyn, scal, acc = (load_json(out, n) for n in ("sync", "async", "scaling", "accuracy"))
-    plots = _plots(out, sync, asyn, acc, meta.get("model", "?"))
+    sync, load, scal, acc = (load_json(out, n) for n in ("sync", "load", "scaling", "accuracy"))
+    plots = _plots(out, sync, load, acc, meta.get("model", "?"))
     md = [
         f"# {title}",
         "",
@@ -283,25 +471,8 @@ def write_report(out: Path, title: str = "Benchmarks") -> Path:
                 for r in sync
             ],
         )
-    if asyn:
-        md += _section(
-            "Asynchronous load (Poisson arrivals, 4 chunks per request from a shared compiled pool)",
-            None,
-            ["policy", "offered req/s", "completed", "errors", "completed req/s", "TTFT p50 (s)", "p90", "p99"],
-            [
-                [
-                    r["policy"],
-                    r["rate"],
-                    f"{r['completed']}/{r['requests']}",
-                    r["errors"],
-                    f"{r['throughput_rps']:.3f}",
-                    f"{r['ttft_p50_s']:.3f}",
-                    f"{r['ttft_p90_s']:.3f}",
-                    f"{r['ttft_p99_s']:.3f}",
-                ]
-                for r in asyn
-            ],
-        )
+    if load:
+        md += load_section(load)
     if scal:
         md += _section(
             "Scaling with the number of chunks (224-token chunks)",
