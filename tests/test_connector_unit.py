@@ -1,11 +1,16 @@
-"""EpicConnector's worker-side load hook without a model: what it does with a load whose link job is gone."""
+"""EpicConnector's worker side without an engine: what its load hook does with a load whose link job is gone, and
+that attach refuses an unsupported configuration."""
 
 from __future__ import annotations
 
 import logging
 
+import pytest
+import torch
+
 from epic_rag.engine import connector as conn
 from epic_rag.engine.board import BOARD
+from epic_rag.engine.support import LinkUnsupported
 
 
 class _Linker:
@@ -74,3 +79,28 @@ def test_every_load_of_a_step_is_linked_in_one_batch_and_a_failed_batch_fails_ea
     finally:
         for j in jobs:
             BOARD.drop_job(j.job_id)
+
+
+def test_attach_refuses_an_unsupported_configuration_before_building_the_linker():
+    # A one-layer model shaped like vLLM's (model.model.layers[i].self_attn.{attn, rotary_emb}) with an fp8
+    # KV cache: attach must refuse it by name, before the layout self-check would trip over the uint8 cache.
+    class Attention(torch.nn.Module):  # vllm_api.find_attention matches vLLM's class name
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer_name = "model.layers.0.self_attn.attn"
+            self.num_heads, self.num_kv_heads, self.head_size = 2, 1, 8
+            self.kv_cache_dtype = "fp8"
+            self.impl = type("CPUAttentionBackendImpl", (), {"logits_soft_cap": 0, "alibi_slopes": None})()
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.model.layers[0].self_attn = torch.nn.Module()
+    model.model.layers[0].self_attn.attn = Attention()
+    model.model.layers[0].self_attn.rotary_emb = object()
+    c = object.__new__(conn.EpicConnector)
+    c.block_size, c.linker = 16, None
+    c.kv_caches = {"model.layers.0.self_attn.attn": torch.zeros((4, 1, 16, 16), dtype=torch.uint8)}
+    with pytest.raises(LinkUnsupported, match="kv_cache_dtype='fp8'"):
+        c.attach(model)
+    assert c.linker is None

@@ -28,6 +28,7 @@ from . import rope, vllm_api
 from .board import BOARD
 from .layout import layout_for
 from .linker import Linker, LinkLoad
+from .support import check_supported
 
 log = logging.getLogger(__name__)
 
@@ -142,17 +143,17 @@ class EpicConnector(KVConnectorBase_V1):
 
     def attach(self, model: torch.nn.Module) -> dict[str, Any]:
         """Not a vLLM hook: called once by the engine (through the worker extension) after start-up.
-        Binds the vLLM model, picks the KV layout and self-checks it, builds the key rotator and checks
+        Refuses every configuration the linker does not handle (support.check_supported: quantized KV,
+        soft-capping, ALiBi, sinks, sliding windows, per-layer RoPE or head sizes, split kernel blocks, ...),
+        then binds the vLLM model, picks the KV layout and self-checks it, builds the key rotator and checks
         it numerically against the model's own RoPE; any failure refuses to serve."""
         if not self.kv_caches:
             raise RuntimeError("KV caches are not registered yet")
-        first_layer = vllm_api.decoder_layers(model)[0]
-        rotary = vllm_api.rotary_of(first_layer)
-        if rotary is None:
-            raise rope.RopeError(
-                f"{type(model).__name__} has no rotary embedding: position-independent linking needs RoPE"
-            )
-        _, _, attn = vllm_api.find_attention(first_layer)
+        layers = vllm_api.decoder_layers(model)
+        attns = [vllm_api.find_attention(layer)[2] for layer in layers]
+        rotaries = [vllm_api.rotary_of(layer) for layer in layers]
+        check_supported(attns, self.kv_caches, rotaries, self.block_size)
+        attn, rotary = attns[0], rotaries[0]
         layout = layout_for(attn)
         cache = self.kv_caches[attn.layer_name]
         layout.self_check(cache)
@@ -166,8 +167,6 @@ class EpicConnector(KVConnectorBase_V1):
             block_size=self.block_size,
             workspace_tokens=self.workspace_tokens,
         )
-        if any(getattr(a.impl, "sliding_window", None) not in (None, -1, (-1, -1)) for _, _, a in linker.attn):
-            raise RuntimeError("sliding-window attention drops tokens from chunk KV: not supported")
         self.linker = linker
         return {
             "layout": layout.name,

@@ -11,7 +11,10 @@ Public API (stable across releases), used through the functions below:
 Internals (read from vLLM 0.32.0's source; nothing guarantees them):
 - decoder layers are called `layer(positions, hidden_states, residual) -> (hidden_states, residual)`
   (decoder_layer_forward), and hold one `Attention` module with `.impl`, `.layer_name`, `num_heads`,
-  `num_kv_heads`, `head_size` (find_attention);
+  `num_kv_heads`, `head_size` (find_attention); support.py reads the settings it refuses from that module
+  (`kv_cache_dtype`, `head_size_v`, `sliding_window`, `has_sink`, `kv_sharing_target_layer_name`) and from
+  its `.impl` (`logits_soft_cap`, `alibi_slopes`, `sinks`, `sliding_window`): a renamed attribute there
+  reads as "not set" and silently lets the configuration through;
 - rotary modules expose `_compute_cos_sin_cache()`, `rotary_dim`, `is_neox_style` and a pure-torch
   `forward_native(positions, query, key)` (rotary_table, rope_reference);
 - the CPU attention backend's ops `cpu_attn_reshape_and_cache`, `cpu_attention_with_kv_cache`,
