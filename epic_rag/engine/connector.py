@@ -177,7 +177,7 @@ class EpicConnector(KVConnectorBase_V1):
             "num_kv_heads": attn.num_kv_heads,
             "head_size": attn.head_size,
             "link_workspace_tokens": linker.workspace_tokens,
-            "link_workspace_bytes": linker._ws.numel() * linker._ws.element_size(),
+            "link_workspace_bytes": linker.workspace_nbytes,
         }
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:

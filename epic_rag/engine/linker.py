@@ -194,6 +194,10 @@ class Linker:
         # engine_memory.py), and first-touch page faults on fresh buffers were ~40% of a CPU link.
         self._ws = torch.empty(self.workspace_tokens * self._token_numel, dtype=cache.dtype, device=cache.device)
 
+    @property
+    def workspace_nbytes(self) -> int:
+        return self._ws.numel() * self._ws.element_size()
+
     @staticmethod
     def workspace_bytes(tokens: int, num_layers: int, num_kv_heads: int, head_size: int, dtype_bytes: int) -> int:
         """Bytes of the K/V workspace for `tokens` prompt tokens of a model of that shape."""
