@@ -29,6 +29,8 @@ class _StoreCollector:
             "evictions": "chunks evicted",
             "errors": "tier errors",
             "corrupt": "corrupt entries dropped",
+            "fleet_waits": "compiles left to another replica sharing the tier (its entry loaded instead)",
+            "fleet_takeovers": "waits for another replica's compile that ended in compiling here",
         }
         for name, doc in counters.items():
             fam = CounterMetricFamily(f"epic_rag_store_{name}", doc, labels=["tier"])

@@ -3,7 +3,9 @@
 Compile = a chunk submitted to vLLM behind the compile lead (`prompt.compile_lead`: the default prompt up to
 its first document, whose first token is the sink) as an ordinary request (max_tokens=1); the connector copies
 the sink's and the chunk's freshly computed KV out of the paged cache into a Capture after the step, and the
-record ([sink] + chunk, see Capture) is stored. Many callers wanting the same missing chunk compile it once.
+record ([sink] + chunk, see Capture) is stored. Many callers wanting the same missing chunk compile it once:
+within a process by single flight, across processes sharing a store (replicas on one Redis) by the store's
+compile lock (`ChunkStore.compile_lock`): one compiles, the others wait for its entry and load it.
 The glue before a prompt's first chunk is compiled bare ("plain": it sits at position 0 in the prompt too).
 """
 
@@ -61,6 +63,7 @@ class ChunkResolver:
         self.variant = f"sink{SINK_LEN}" if len(self.lead) == SINK_LEN else f"lead{digest}"
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
+        self.compiled = 0  # chunks (and glue) compiled by this engine; those another process compiled are loaded
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()
         self.glue = MemoryStore(max_bytes=LEAD_CACHE_BYTES)  # (see LEAD_CACHE_BYTES)
 
@@ -148,8 +151,8 @@ class ChunkResolver:
         store: ChunkStore | None = None,
     ) -> tuple[list[ChunkKV], int]:
         """Every chunk's KV (from `known`, already loaded, or `store`, default the engine's), compiling the
-        missing ones in one vLLM batch (single flight) and storing them there. Returns the KVs in order and
-        how many were compiled here."""
+        missing ones in one vLLM batch (single flight, and once across the processes sharing `store`) and
+        storing them there. Returns the KVs in order and how many were compiled here."""
         store = self.store if store is None else store
         results: list[ChunkKV | None] = [None] * len(wanted)
         waits: list[tuple[int, Future]] = []
@@ -167,11 +170,51 @@ class ChunkResolver:
                     self._inflight[key] = fut
                     mine[key] = (fut, tokens, variant)
             waits.append((i, fut))
-        if mine:
-            self._compile_batch(mine, store)
+        compiled = self._compile_once(mine, store) if mine else 0
         for i, fut in waits:
             results[i] = fut.result()
-        return results, len(mine)  # type: ignore[return-value]
+        return results, compiled  # type: ignore[return-value]
+
+    def _compile_once(self, todo: dict[str, tuple[Future, list[int], str]], store: ChunkStore) -> int:
+        """Resolve the futures of `todo` (chunks this thread leads), compiling each chunk once among the
+        processes sharing `store`: those whose compile lock this process takes are compiled here in one
+        batch (the lock released once they are stored); the others are being compiled by another process,
+        whose entries are waited for and loaded, or compiled here after all when it dies or gives up.
+        Returns how many were compiled here."""
+        locks = {}
+        compiled = 0
+        try:
+            for key in todo:
+                locks[key] = store.compile_lock(key)
+            batch = {key: job for key, job in todo.items() if locks[key].acquire()}
+            if batch:
+                self._compile_batch(batch, store)
+                compiled += len(batch)
+                for key in batch:  # stored: a process waiting for them finds them now
+                    locks[key].release()
+            for key, (fut, tokens, variant) in todo.items():
+                if key in batch:
+                    continue
+                kv = locks[key].wait()
+                if kv is not None:
+                    fut.set_result(kv)
+                    continue
+                self._compile_batch({key: (fut, tokens, variant)}, store)
+                compiled += 1
+                locks[key].release()
+        except BaseException as e:
+            for fut, _, _ in todo.values():
+                if not fut.done():
+                    fut.set_exception(e)
+            raise
+        finally:
+            for lock in locks.values():
+                lock.release()
+            with self._lock:
+                self.compiled += compiled
+                for key in todo:
+                    self._inflight.pop(key, None)
+        return compiled
 
     def _compile_batch(self, todo: dict[str, tuple[Future, list[int], str]], store: ChunkStore) -> None:
         info = self.kv_info
@@ -225,10 +268,6 @@ class ChunkResolver:
                 if not fut.done():
                     fut.set_exception(e)
             raise
-        finally:
-            with self._lock:
-                for key in todo:
-                    self._inflight.pop(key, None)
 
 
 def event_sink(ev: threading.Event) -> Callable:

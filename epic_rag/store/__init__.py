@@ -1,6 +1,6 @@
 """Chunk KV store: tiers behind one interface, opened from a spec string."""
 
-from .base import ChunkKV, ChunkStore, TierStats
+from .base import ChunkKV, ChunkStore, CompileLock, FleetLock, TierStats
 from .checked import KeyCheckedStore
 from .codec import CorruptEntry
 from .disk import DiskStore
@@ -20,13 +20,21 @@ def open_store(spec: "str | ChunkStore") -> ChunkStore:
                                                       one safetensors file per chunk; LRU by mtime under
                                                       max_bytes (default: unbounded); several processes may
                                                       share FOLDER; fsync=1 syncs each file before its rename
-        redis://[user:password@]HOST[:PORT][/DB][?ttl=SECONDS&prefix=P&timeout=SECONDS&retry_s=SECONDS&quant=int8&secret=S]
+        redis://[user:password@]HOST[:PORT][/DB][?ttl=SECONDS&prefix=P&timeout=SECONDS&retry_s=SECONDS&quant=int8&secret=S
+                 &max_part_bytes=SIZE&lock_ttl=SECONDS]
         rediss://...  (TLS)     unix://SOCKET_PATH[?db=N&...]
                                                       shared Redis; keys are PREFIX<chunk key> (default
                                                       prefix "epic:kv:"); ttl sets an expiry on each write;
                                                       timeout bounds every socket operation (default 2 s);
                                                       while the server is unreachable the tier is skipped and
-                                                      probed again every retry_s seconds (default 5)
+                                                      probed again every retry_s seconds (default 5); an entry
+                                                      over max_part_bytes (default 256M, at most 512M: Redis'
+                                                      value limit) is stored as parts behind a manifest set
+                                                      last, so readers never see half an entry; a chunk is
+                                                      compiled by one process of those sharing the Redis at a
+                                                      time, the others waiting for its entry (a lock that
+                                                      expires after lock_ttl seconds, default 120, if its
+                                                      holder dies; 0 turns it off)
 
     A FOLDER may contain '+' except right before a tier scheme (memory, disk:, redis://, rediss://, unix://)
     and at the end of the spec; it may not contain '?'.
@@ -65,6 +73,8 @@ def __getattr__(name: str):
 __all__ = [
     "ChunkKV",
     "ChunkStore",
+    "CompileLock",
+    "FleetLock",
     "TierStats",
     "CorruptEntry",
     "MemoryStore",

@@ -7,6 +7,7 @@ import re
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -15,6 +16,10 @@ import torch
 # names and Redis keys, so they are restricted to a safe alphabet ('@' is reserved for tier namespaces).
 _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 QUANTS = ("none", "int8")
+# A process waiting for another's compile polls the store this often (growing from MIN to MAX).
+POLL_MIN_S, POLL_MAX_S = 0.01, 0.2
+
+log = logging.getLogger(__name__)
 
 
 def check_quant(quant: str) -> str:
@@ -86,6 +91,10 @@ class TierStats:
     hits/misses/puts/evictions/corrupt/errors count events in this process. bytes/entries are exact
     for the memory tier; for shared tiers (disk, Redis) they are as of the last scan (`refresh()`).
     load_seconds sums the time of successful loads (read + verify + decode); mean = load_seconds / hits.
+    fleet_waits counts compiles this process did not do because another process sharing the tier held the
+    chunk's compile lock and published the entry (`ChunkStore.compile_lock`); fleet_takeovers counts waits
+    that ended with this process compiling after all (the holder died or gave up without publishing, or
+    the wait ran out). Only a tier that provides the lock (Redis) counts them.
     """
 
     hits: int = 0
@@ -99,6 +108,8 @@ class TierStats:
     load_seconds: float = 0.0
     load_seconds_max: float = 0.0
     put_seconds: float = 0.0
+    fleet_waits: int = 0
+    fleet_takeovers: int = 0
     available: int = 1  # 0 while a remote tier is unreachable
 
     def as_dict(self) -> dict[str, float]:
@@ -178,6 +189,19 @@ class ChunkStore(ABC):
     def tier_stats(self) -> dict[str, dict[str, float]]:
         return {self.name: self.stats.as_dict()}
 
+    def compile_lock(self, key: str) -> "CompileLock":
+        """The right to compile chunk `key` once among every process sharing this store (see CompileLock).
+
+        Backed by the first tier that is shared between processes and can lock (Redis); for a store without
+        one (memory, disk) it is always granted at once and waits for nothing. Looks for a published entry
+        through this store (`contains`, then `get`)."""
+        check_key(key)
+        return CompileLock(key, self.fleet_lock(key), lambda: self.contains(key), lambda: self.get(key))
+
+    def fleet_lock(self, key: str) -> "FleetLock | None":
+        """This tier's lock on compiling `key` across processes, or None when it has none (the default)."""
+        return None
+
     def close(self) -> None:
         """Release connections/files."""
 
@@ -186,3 +210,139 @@ class ChunkStore(ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class FleetLock(ABC):
+    """A shared tier's lock on compiling one chunk: held by one process at a time, for at most `ttl` seconds
+    (so a holder that dies frees it), and released only by its holder."""
+
+    ttl: float
+    tier: ChunkStore  # whose stats count the waits
+
+    @abstractmethod
+    def try_acquire(self) -> bool | None:
+        """Take it without waiting: True when taken here, False when another process holds it, None when the
+        tier cannot say (unreachable): the caller then goes ahead as if it held it."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Give it back if this process still holds it (never someone else's after it expired)."""
+
+
+class CompileLock:
+    """The right to compile one chunk among every process sharing a store (`ChunkStore.compile_lock`).
+
+    The protocol the engine follows (chunks.py), after a store miss::
+
+        lock = store.compile_lock(key)
+        if lock.acquire():      # never blocks; always True for a process-private store
+            compile; store.put(kv); lock.release()
+        else:
+            kv = lock.wait()    # the entry another process published, or None: compile here after all
+            if kv is None:
+                compile; store.put(kv)
+            lock.release()
+
+    or, for one chunk, ``with store.compile_lock(key) as lock:`` (entering acquires, else waits) and compile
+    only when `lock.found` is None. `acquire` also looks once more for the entry after taking the lock: a
+    process that missed just before another published must not compile it again.
+
+    `wait` polls the store for the entry and the lock for its release, and is bounded by the lock's ttl (plus
+    a second): when the holder dies its lock expires and the waiter takes it; when the holder releases it
+    without publishing (its compile or its write failed), the waiter takes it; when the bound runs out (the
+    lock was taken again by a third process), the waiter compiles without it. A compile that outlasts the
+    ttl loses its exclusivity and may be done twice: harmless (entries are content-addressed), just work.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        backend: FleetLock | None,
+        exists: Callable[[], bool],
+        load: Callable[[], ChunkKV | None],
+    ) -> None:
+        self.key, self._backend, self._exists, self._load = key, backend, exists, load
+        self.held = False  # this process holds the shared lock (release it)
+        self.found: ChunkKV | None = None  # the entry another process published while this one waited
+
+    def __repr__(self) -> str:
+        return f"CompileLock({self.key!r}, shared={self.shared}, held={self.held})"
+
+    @property
+    def shared(self) -> bool:
+        return self._backend is not None
+
+    def _count(self, name: str) -> None:
+        tier = self._backend.tier  # type: ignore[union-attr]
+        with tier._lock:
+            setattr(tier.stats, name, getattr(tier.stats, name) + 1)
+
+    def _published(self) -> bool:
+        """True when another process's entry is in the store: it is kept in `found`, the lock (if taken
+        here) given back and the avoided compile counted."""
+        if not self._exists():
+            return False
+        kv = self._load()
+        if kv is None:  # gone again, or unreadable (dropped): compile
+            return False
+        self.found = kv
+        self.release()
+        self._count("fleet_waits")
+        return True
+
+    def acquire(self) -> bool:
+        """Take the lock without waiting: True when this process should compile the chunk now; False when
+        another process holds it or just published the entry (then call `wait`)."""
+        if self._backend is None:
+            return True
+        got = self._backend.try_acquire()
+        if got is None:
+            return True
+        if not got:
+            return False
+        self.held = True
+        return not self._published()
+
+    def wait(self, timeout: float | None = None) -> ChunkKV | None:
+        """Wait while another process compiles: its entry once published (also in `found`), or None when
+        this process should compile after all (it now holds the lock, or the lock is unreachable, or
+        `timeout`, default the lock's ttl + 1 s, ran out). Never raises for the store's trouble."""
+        if self.found is not None or self._backend is None:
+            return self.found
+        limit = self._backend.ttl + 1.0 if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        delay = POLL_MIN_S
+        while True:
+            if self._published():
+                return self.found
+            got = self._backend.try_acquire()
+            if got is None or got:
+                self.held = bool(got)
+                if self._published():
+                    return self.found
+                self._count("fleet_takeovers")
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "chunk %s: another process has held its compile lock for over %.0f s; compiling it here too",
+                    self.key,
+                    limit,
+                )
+                self._count("fleet_takeovers")
+                return None
+            time.sleep(min(delay, left))
+            delay = min(delay * 1.5, POLL_MAX_S)
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self._backend.release()  # type: ignore[union-attr]
+
+    def __enter__(self) -> "CompileLock":
+        if not self.acquire():
+            self.wait()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

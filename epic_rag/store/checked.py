@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import ChunkKV, ChunkStore
+from .base import ChunkKV, ChunkStore, FleetLock
 
 
 class KeyCheckedStore(ChunkStore):
@@ -63,6 +63,9 @@ class KeyCheckedStore(ChunkStore):
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         return self.inner.tier_stats()
+
+    def fleet_lock(self, key: str) -> FleetLock | None:
+        return self.inner.fleet_lock(key)
 
     def close(self) -> None:
         self.inner.close()

@@ -17,7 +17,7 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?", re.IGNORECASE)
 _ARGS = {
     "memory": {"max_bytes", "quant"},
     "disk": {"max_bytes", "quant", "fsync", "secret"},
-    "redis": {"ttl", "prefix", "timeout", "retry_s", "quant", "db", "secret"},
+    "redis": {"ttl", "prefix", "timeout", "retry_s", "quant", "db", "secret", "max_part_bytes", "lock_ttl"},
 }
 
 
@@ -160,4 +160,8 @@ def build_tier(t: TierSpec) -> ChunkStore:
         kw["prefix"] = a["prefix"]
     if "db" in a:
         kw["db"] = int(_number(a["db"], "redis db"))
+    if "max_part_bytes" in a:
+        kw["max_part_bytes"] = parse_size(a["max_part_bytes"], "redis max_part_bytes")
+    if "lock_ttl" in a:
+        kw["lock_ttl"] = _number(a["lock_ttl"], "redis lock_ttl")
     return RedisStore(t.target, **kw)

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from .base import ChunkKV, ChunkStore, check_key
+from .base import ChunkKV, ChunkStore, FleetLock, check_key
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,14 @@ class TieredStore(ChunkStore):
         for t in self.tiers:
             out.update(t.tier_stats())
         return out
+
+    def fleet_lock(self, key: str) -> FleetLock | None:
+        """The first shared tier's lock (a stack over Redis locks compiles across the fleet)."""
+        for t in self.tiers:
+            lock = t.fleet_lock(key)
+            if lock is not None:
+                return lock
+        return None
 
     def close(self) -> None:
         for t in self.tiers:
