@@ -75,7 +75,9 @@ def test_below_saturation_completed_rate_equals_offered_rate():
     arrivals = [0.0, 1.0, 3.0, 4.0, 8.0]
     row = L.step_row("p", 0, 0.5, _records(arrivals, [a + 1.5 for a in arrivals]))
     assert row["offered_rps"] == pytest.approx(0.5)  # 4 intervals over 8 s
-    assert row["completed_rps"] == pytest.approx(row["offered_rps"])  # a plain completed / wall would read 0.52
+    # makespan 0 -> 9.5 s: the arrival rate, less one service time's worth
+    assert row["completed_rps"] == pytest.approx(5 / 9.5)
+    assert row["completed_rps"] >= 0.8 * row["offered_rps"]
     assert (row["requests"], row["completed"], row["errors"], row["cut"]) == (5, 5, 0, 0)
     assert row["itl_p50_s"] == pytest.approx(0.05) and row["itl_p99_s"] == pytest.approx(0.06)
     assert row["e2e_p50_s"] == pytest.approx(1.5)
@@ -90,6 +92,14 @@ def test_past_saturation_completed_rate_is_the_capacity():
     row = L.step_row("p", 0, 10.0, _records(arrivals, done))
     assert row["offered_rps"] == pytest.approx(10.0)
     assert row["completed_rps"] == pytest.approx(1.0)
+
+
+def test_requests_finishing_together_in_one_batch_read_as_few_per_second_not_a_burst():
+    # full's 8 requests at 0.25 req/s, all done in the same engine steps ~54 s in: 8 over 54 s, not 7 over ~0 s
+    arrivals = [4.0 * i for i in range(8)]
+    row = L.step_row("full", 0, 0.25, _records(arrivals, [54.0 + 0.01 * i for i in range(8)]))
+    assert row["completed_rps"] == pytest.approx(8 / 54.07)
+    assert L.saturation_reason(row, 7.0, L.LoadSettings()) == "throughput"
 
 
 def test_failed_and_cut_requests_are_counted_not_timed():

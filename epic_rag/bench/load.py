@@ -19,11 +19,10 @@ Per policy:
    the per-policy time budget (`ended_by: "cap"`: then the sweep did not reach saturation), or after errors.
 
 Rates are measured, not taken from the settings: offered req/s = (n - 1) / (last arrival - first arrival)
-of the trace sent (the step's rate: arrival_trace rescales it); completed req/s = (n - 1) / (last
-completion - first completion), the departure rate, which equals the arrival rate below saturation and
-the service capacity above it (a finite burst's plain completed / wall time reads low by one latency, at
-every rate). A policy's saturated throughput is the highest completed req/s of its sweep (the saturating
-step included: past saturation the departure rate is the capacity).
+of the trace sent (the step's rate: arrival_trace rescales it); completed req/s = completed / (last
+completion - first arrival), over the step's makespan: the arrival rate below saturation (less one service
+time's worth) and the service capacity above it. A policy's saturated throughput is the highest completed
+req/s of its sweep (the saturating step included: past saturation it is the capacity).
 
 Every request generates exactly `output_tokens` tokens (EOS ignored: vLLM's `ignore_eos`, set on the
 PreparedRequest since it is not one of the engine's public sampling options; special tokens are streamed as
@@ -149,15 +148,25 @@ def event_rate(times: Sequence[float]) -> float:
     return (len(times) - 1) / span if span > 0 else float("nan")
 
 
+def completed_rate(records: Sequence[dict]) -> float:
+    """Completed requests per second over the step's makespan, first arrival to last completion: the
+    arrival rate below saturation (less one service time's worth), the capacity above it. (A departure rate
+    over the completions' own span is no measure here: a batch of requests finishing in the same engine
+    steps has a span near zero.) NaN with no completion."""
+    ok = [r for r in records if r["status"] == "ok"]
+    if not ok:
+        return float("nan")
+    span = max(r["done"] for r in ok) - min(r["arrival"] for r in records)
+    return len(ok) / span if span > 0 else float("nan")
+
+
 def step_row(policy: str, index: int, rate: float, records: list[dict]) -> dict:
     """One step's figures from its request records: {"status": "ok"|"error"|"cut", "arrival", and for ok
     ones "ttft", "itl" (list), "e2e", "done" (completion time from the step's start), "tokens", "lag"}."""
     ok = [r for r in records if r["status"] == "ok"]
     itl = [g for r in ok for g in r["itl"]]
     offered = event_rate([r["arrival"] for r in records])
-    completed = event_rate([r["done"] for r in ok])
-    if math.isnan(completed) and ok:  # one completion: completed / time to it
-        completed = len(ok) / max(r["done"] for r in ok)
+    completed = completed_rate(records)
     return {
         "policy": policy,
         "step": index,

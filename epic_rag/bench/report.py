@@ -304,8 +304,9 @@ def load_markdown(load: dict, plots: list[str]) -> str:
         f"{s['max_minutes']:g}-minute budget (`cap`: the next step would not fit, or a step was cut at "
         f"{CUT_AFTER:g}x the budget; the policy did not saturate).",
         "",
-        "Offered req/s: the trace's measured arrival rate, (n - 1) / arrival span; completed req/s: the "
-        "departure rate, (n - 1) / completion span (the arrival rate below saturation, the capacity above it). "
+        "Offered req/s: the trace's measured arrival rate, (n - 1) / arrival span; completed req/s: completed "
+        "requests over the step's makespan, first arrival to last completion (the arrival rate below "
+        "saturation, the capacity above it). "
         "TTFT and E2E from each request's scheduled arrival; ITL: gaps between consecutive token deltas (engine "
         "timestamps), pooled over the step's requests. Send lag: how late the harness sent a request after its "
         "scheduled arrival (counted in its TTFT).",
