@@ -54,3 +54,19 @@ def smol_engine():
     )
     yield eng
     eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One loopback redis-server for the session's Redis tests (skipped where the binary is missing)."""
+    from epic_rag.testing.localredis import LocalRedis
+
+    with LocalRedis(tmp_path_factory.mktemp("redis")) as r:
+        yield r
+
+
+@pytest.fixture
+def url(server, request):
+    """The server's URL with a per-test key prefix, so tests never see each other's keys."""
+    prefix = f"t{abs(hash(request.node.nodeid)) % 10**10}:"
+    return f"{server.url}?prefix={prefix}&timeout=1&retry_s=0.5"

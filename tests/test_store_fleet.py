@@ -14,25 +14,12 @@ from test_store import assert_same, make_kv
 
 from epic_rag.store import RedisStore, codec, open_store
 from epic_rag.store import redis_tier as rt
-from epic_rag.testing.localredis import LocalRedis, free_port
+from epic_rag.testing.localredis import free_port
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="redis-server binary not installed (apt-get install redis-server)"
 )
 KEY = "plain-fleet"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with LocalRedis(tmp_path_factory.mktemp("redis")) as r:
-        yield r
-
-
-@pytest.fixture
-def url(server, request):
-    """The server's URL with a per-test key prefix, so tests never see each other's keys."""
-    prefix = f"f{abs(hash(request.node.name)) % 10**8}:"
-    return f"{server.url}?prefix={prefix}&timeout=1&retry_s=0.5"
 
 
 @pytest.fixture

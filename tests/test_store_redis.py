@@ -20,19 +20,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with LocalRedis(tmp_path_factory.mktemp("redis")) as r:
-        yield r
-
-
-@pytest.fixture
-def url(server, request):
-    """The server's URL with a per-test key prefix, so tests never see each other's keys."""
-    prefix = f"t{abs(hash(request.node.name)) % 10**8}:"
-    return f"{server.url}?prefix={prefix}&timeout=1&retry_s=0.5"
-
-
 def raw(server):
     import redis
 
