@@ -190,8 +190,8 @@ class Linker:
         first, cache = self.attn[0][2], self.cache_of(0)
         self._token_numel = 2 * len(self.layers) * first.num_kv_heads * first.head_size  # K and V, every layer
         # One workspace for the linker's life, in the cache's dtype (what the pages hold), allocated now and
-        # never grown: its size is known at start-up (workspace_bytes, counted in the memory vLLM is given:
-        # engine_memory.py), and first-touch page faults on fresh buffers were ~40% of a CPU link.
+        # never grown: its size is known at start-up (workspace_bytes; on a GPU counted in the memory vLLM is
+        # given, vllm_api.gpu_memory_share), and first-touch page faults on fresh buffers were ~40% of a link.
         self._ws = torch.empty(self.workspace_tokens * self._token_numel, dtype=cache.dtype, device=cache.device)
 
     @property
