@@ -27,6 +27,9 @@ SAMPLING_OPTIONS = (
     "repetition_penalty",
     "logprobs",
     "response_format",
+    "min_tokens",
+    "ignore_eos",
+    "skip_special_tokens",
 )
 
 
@@ -93,6 +96,12 @@ def check_sampling_options(options: Mapping[str, Any]) -> dict[str, Any]:
         elif name == "logprobs":
             if not 0 <= _integer(name, v) <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs (top alternatives per token) must be in [0, {MAX_LOGPROBS}], got {v!r}")
+        elif name == "min_tokens":
+            if _integer(name, v) < 0:
+                raise ValueError(f"min_tokens must be an integer >= 0, got {v!r}")
+        elif name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be true or false, got {v!r}")
         elif name == "response_format":
             v = check_response_format(v)
             if v is None:

@@ -73,6 +73,9 @@ class Sampling(TypedDict, total=False):
     # OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}: the answer
     # is decoded under vLLM's structured outputs (a JSON grammar), so it parses.
     response_format: dict[str, Any]
+    min_tokens: int  # at least this many tokens before EOS or a stop string may end the answer
+    ignore_eos: bool  # keep generating past EOS up to max_tokens (benchmarks: fixed-length answers)
+    skip_special_tokens: bool  # default True: special tokens are left out of the text
 
 
 @dataclass(slots=True)

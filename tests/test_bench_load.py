@@ -268,16 +268,6 @@ def test_targets_are_undecided_without_the_policies_they_compare():
 
 
 # ---------------------------------------------------------------------- request, report, command line
-def test_fixed_length_requests_ignore_eos_and_stream_special_tokens():
-    from epic_rag.policy import parse_policy
-    from epic_rag.types import PreparedRequest
-
-    prep = PreparedRequest([1, 2, 3], [], parse_policy("naive"), 24, 0.0, None, {"seed": 1})
-    fixed = L.fixed_length(prep)
-    assert fixed.options == {"seed": 1, "ignore_eos": True, "skip_special_tokens": False}
-    assert prep.options == {"seed": 1} and fixed.token_ids == prep.token_ids and fixed.max_tokens == 24
-
-
 def _load_data():
     per = {
         "full": _policy([(0.125, 0.12), (0.25, 0.2)]),

@@ -36,6 +36,10 @@ def test_unknown_sampling_option_is_an_error_naming_it(tiny_engine):
         ("seed", 2**64),
         ("repetition_penalty", float("inf")),
         ("top_p", float("nan")),
+        ("min_tokens", -1),
+        ("min_tokens", 2.0),
+        ("ignore_eos", 1),
+        ("skip_special_tokens", "no"),
     ],
 )
 def test_bad_sampling_values_are_errors_naming_the_option(tiny_engine, option, value):
@@ -89,3 +93,11 @@ def test_a_request_that_links_nothing_says_so_in_stats_and_the_debug_log(tiny_en
         g = tiny_engine.generate("a prompt holding no compiled chunk text at all", max_tokens=2, policy="legolink-16")
     assert g.chunk_hits == g.chunk_misses == g.linked_tokens == 0 and g.recomputed_tokens == g.prompt_tokens
     assert "linked nothing under legolink-16" in caplog.text
+
+
+def test_ignore_eos_generates_exactly_max_tokens_and_min_tokens_reach_vllm(tiny_engine):
+    fixed = tiny_engine.generate(_req(), max_tokens=40, ignore_eos=True, skip_special_tokens=False)
+    assert len(fixed.token_ids) == 40 and fixed.finish_reason == "length"
+    eos = tiny_engine.tokenizer.eos_token_id
+    banned = tiny_engine.generate(_req(), max_tokens=12, min_tokens=12, stop=None)
+    assert len(banned.token_ids) == 12 and eos not in banned.token_ids

@@ -24,11 +24,11 @@ completion - first arrival), over the step's makespan: the arrival rate below sa
 time's worth) and the service capacity above it. A policy's saturated throughput is the highest completed
 req/s of its sweep (the saturating step included: past saturation it is the capacity).
 
-Every request generates exactly `output_tokens` tokens (EOS ignored: vLLM's `ignore_eos`, set on the
-PreparedRequest since it is not one of the engine's public sampling options; special tokens are streamed as
-text so that no token's delta is held back). TTFT is counted from the request's scheduled arrival (its
-tokenization and chunk lookup included), ITL from the engine's timestamps of consecutive token deltas
-(`Delta.t`), pooled over the step's requests; E2E from arrival to the last token.
+Every request generates exactly `output_tokens` tokens (EOS ignored: the `ignore_eos` sampling option;
+special tokens are streamed as text, `skip_special_tokens=False`, so that no token's delta is held back).
+TTFT is counted from the request's scheduled arrival (its tokenization and chunk lookup included), ITL from
+the engine's timestamps of consecutive token deltas (`Delta.t`), pooled over the step's requests; E2E from
+arrival to the last token.
 
 Results: <out>/load.json, <out>/load.md, <out>/throughput_vs_rate.png, <out>/itl_vs_rate.png.
 """
@@ -307,11 +307,6 @@ def targets(summary: list[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- running it on an engine
-def fixed_length(prep):
-    """The PreparedRequest generating exactly its max_tokens (EOS ignored), every token streamed as text."""
-    return dataclasses.replace(prep, options={**prep.options, "ignore_eos": True, "skip_special_tokens": False})
-
-
 async def _one(engine, policy: str, chunks: list[str], at: float, start: float, output_tokens: int) -> dict:
     """One request sent at start + at; its record for step_row (times relative to `start`)."""
     await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
@@ -320,9 +315,17 @@ async def _one(engine, policy: str, chunks: list[str], at: float, start: float, 
     rec = {"arrival": at, "lag": sent - arrival}
     try:
         req = RagRequest(question=QUESTION, chunks=chunks)
-        prep = await asyncio.to_thread(engine.prepare, req, max_tokens=output_tokens, policy=policy)
+        # exactly output_tokens tokens (EOS ignored), every token's delta streamed (special tokens as text)
+        prep = await asyncio.to_thread(
+            engine.prepare,
+            req,
+            max_tokens=output_tokens,
+            policy=policy,
+            ignore_eos=True,
+            skip_special_tokens=False,
+        )
         times, counts, gen = [], [], None
-        async for ev in engine.astream_events(fixed_length(prep)):
+        async for ev in engine.astream_events(prep):
             if isinstance(ev, Delta) and ev.token_ids:
                 times.append(ev.t)
                 counts.append(len(ev.token_ids))

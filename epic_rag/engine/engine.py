@@ -105,7 +105,8 @@ class EpicEngine:
         """Validate and tokenize a request once (no chunk is compiled or loaded yet). Raises ValueError for
         bad input, e.g. a prompt that does not fit the context window, or an unknown sampling option.
         `options`: top_p, top_k, min_p, seed, presence_penalty, frequency_penalty, repetition_penalty,
-        logprobs (see Sampling). A PreparedRequest is returned as is."""
+        logprobs, response_format, min_tokens, ignore_eos, skip_special_tokens (see Sampling). A
+        PreparedRequest is returned as is."""
         if isinstance(request, PreparedRequest):
             return request
         options = check_sampling_options(options)
