@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from . import rope, vllm_api
 from .board import BOARD
 from .layout import layout_for
-from .linker import Linker, LinkLoad
+from .linker import WORKSPACE_PROMPTS, Linker, LinkLoad
 from .support import check_supported
 
 log = logging.getLogger(__name__)
@@ -75,8 +75,9 @@ class EpicConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
         extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
-        # prompt tokens one batched link pass holds (the linker's workspace; see vllm_api.link_workspace)
-        self.workspace_tokens = int(extra.get("workspace_tokens", 2 * vllm_config.model_config.max_model_len))
+        # prompt tokens one batched link pass holds (the linker's workspace; vllm_api.gpu_memory_share counts it)
+        default_ws = WORKSPACE_PROMPTS * vllm_config.model_config.max_model_len
+        self.workspace_tokens = int(extra.get("workspace_tokens", default_ws))
         self._active: dict[str, _ReqState] = {}
         self._kvm = None
         self.kv_caches: dict[str, torch.Tensor] = {}

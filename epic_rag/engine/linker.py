@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 CHECK_LAYER = 1  # CacheBlend selects its tokens from the deviation at this layer
 ATTN_BUCKET = 256  # recompute queries are grouped by position // ATTN_BUCKET for the sparse attention
+WORKSPACE_PROMPTS = 2  # the workspace's default size, in whole prompts of max_model_len tokens
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -179,7 +180,7 @@ class Linker:
     attn: list[tuple[torch.nn.Module, str, torch.nn.Module]] = field(init=False)
     # Prompt tokens one recompute pass may hold (summed over its requests): the K/V workspace is allocated
     # for this many once, at attach, and a step's links beyond it run in several passes.
-    workspace_tokens: int = 8192
+    workspace_tokens: int
     # requests per batched recompute pass -> passes run (bounded: at most max_num_seqs sizes)
     batch_sizes: Counter = field(init=False, default_factory=Counter)
 

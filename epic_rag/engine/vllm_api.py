@@ -75,7 +75,9 @@ def new_llm_engine(model_dir: str, dtype: str, config) -> Any:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    ws_tokens = config.link_workspace_tokens or 2 * config.max_model_len
+    from .linker import WORKSPACE_PROMPTS
+
+    ws_tokens = config.link_workspace_tokens or WORKSPACE_PROMPTS * config.max_model_len
     args = EngineArgs(
         model=model_dir,
         dtype=dtype,
@@ -112,7 +114,7 @@ def link_workspace_bytes(model_dir: str, dtype: str, tokens: int) -> int:
         cfg["num_hidden_layers"],
         cfg.get("num_key_value_heads", heads),
         head_size,
-        torch.empty(0, dtype=getattr(torch, dtype)).element_size(),
+        getattr(torch, dtype).itemsize,
     )
 
 
