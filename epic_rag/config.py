@@ -33,6 +33,9 @@ class EngineConfig:
     # Under load the engine thread hands freed heap memory back to the OS (glibc malloc_trim) at most this
     # often, and once after work when idle; 0 turns it off (engine/heap.py).
     heap_trim_s: float = 10.0
+    # Run vLLM's engine core (scheduler, model, linker) in its own process, as `vllm serve` does: the caller's
+    # threads then never share a GIL with the forward. Needs `store` as a spec string (the core opens it).
+    multiprocess: bool = False
 
     def __post_init__(self) -> None:
         parse_policy(self.policy)

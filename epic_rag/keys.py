@@ -23,3 +23,22 @@ def chunk_key(fingerprint: str, token_ids: Sequence[int], variant: str = "plain"
     h.update(variant.encode())
     h.update(array("q", token_ids).tobytes())
     return f"{variant}-{h.hexdigest()[:40]}"
+
+
+def compile_variant(lead: Sequence[int]) -> str:
+    """The compile variant of chunks compiled behind `lead` (their keys' prefix): another template or
+    instruction never hits these records. The sink alone keeps its historic name, "sink1"."""
+    from .policy import SINK_LEN
+
+    digest = hashlib.sha256(array("q", lead).tobytes()).hexdigest()[:8]
+    return f"sink{SINK_LEN}" if len(lead) == SINK_LEN else f"lead{digest}"
+
+
+def record_key(fingerprint: str, kv) -> str:
+    """The key a stored record's own tokens hash to under `fingerprint`: a chunk record (any variant but
+    "plain") holds its sink token(s) before the chunk's tokens, which are not part of its key."""
+    from .policy import SINK_LEN
+
+    variant = kv.key.partition("-")[0]
+    ids = kv.token_ids if variant == "plain" else kv.token_ids[SINK_LEN:]
+    return chunk_key(fingerprint, ids, variant)

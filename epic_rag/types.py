@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
 from .policy import Policy
-
-if TYPE_CHECKING:
-    from .store import ChunkKV
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +48,6 @@ class PlacedChunk:
     token_ids: list[int]
     start: int = 0
     sink: int = 0  # sink tokens right before `start` that belong to this chunk's linked span
-    kv: "ChunkKV | None" = None  # already loaded while finding the tokens (so not loaded twice)
 
 
 class Sampling(TypedDict, total=False):
@@ -108,6 +104,7 @@ class Delta:
     t: float  # time.perf_counter() when the step produced it
     cached_tokens: int | None = None  # prompt tokens vLLM served from its own prefix cache
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when requested
+    kv_transfer_params: dict | None = None  # the KV connector's outcome, on the finished delta
 
 
 @dataclass(slots=True)

@@ -1,16 +1,21 @@
-"""EpicConnector's worker side without an engine: what its load hook does with a load whose link job is gone, and
-that attach refuses an unsupported configuration."""
+"""EpicConnector without an engine: how its worker side reads spans from its store and reports outcomes and
+failures, how its scheduler side parses link jobs and carries outcomes to the request's end, and that attach
+refuses an unsupported configuration."""
 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from epic_rag.engine import connector as conn
-from epic_rag.engine.board import BOARD
+from epic_rag.engine.jobs import LinkRequest, SpanRef
+from epic_rag.engine.stores import ChunkStores
 from epic_rag.engine.support import LinkUnsupported
+from epic_rag.policy import parse_policy
+from epic_rag.store import ChunkKV, MemoryStore
 
 
 class _Linker:
@@ -19,66 +24,143 @@ class _Linker:
 
     def link_many(self, loads):
         self.linked.append([(ld.job, ld.block_ids, ld.start, ld.end) for ld in loads])
+        for ld in loads:
+            ld.job.recomputed = 3
 
 
-def _worker(meta: conn.EpicMeta, block_size: int = 16) -> conn.EpicConnector:
+SINK = 1
+PROMPT = [SINK, 10, 11, 12, 13, SINK, 20, 21, 22, 5, 6]  # two chunks (each behind the sink) and a question
+
+
+def _record(key: str, tokens: list[int]) -> ChunkKV:
+    n = len(tokens)
+    return ChunkKV(key, tokens, torch.zeros(1, n, 1, 2), torch.zeros(1, n, 1, 2))
+
+
+def _stores(*records: ChunkKV) -> ChunkStores:
+    chunks = MemoryStore()
+    for r in records:
+        chunks.put(r)
+    return ChunkStores(chunks, MemoryStore())
+
+
+def _worker(meta: conn.EpicMeta, stores: ChunkStores, block_size: int = 4) -> conn.EpicConnector:
     c = object.__new__(conn.EpicConnector)  # the worker-side state start_load_kv uses, without a vLLM config
-    c.block_size, c.linker, c._load_errors = block_size, _Linker(), set()
+    c.block_size, c.linker, c.stores = block_size, _Linker(), stores
+    c._load_errors, c._step_results, c._captures = set(), {}, {}
     c._get_connector_metadata = lambda: meta
     return c
 
 
-def test_a_load_whose_link_job_is_gone_reports_its_blocks_as_failed_loads(caplog):
-    # claimed tokens 32..80 of a request with 16-token blocks: blocks 2, 3 and 4 (the last one partly)
-    meta = conn.EpicMeta(loads=[conn.LoadSpec("req-1", "job-not-on-the-board", [10, 11, 12, 13, 14, 15], 32, 80)])
-    c = _worker(meta)
-    with caplog.at_level(logging.ERROR):
-        c.start_load_kv(None)
-    assert c.get_block_ids_with_load_errors() == {12, 13, 14}  # vLLM fails the request holding them
-    assert c.get_block_ids_with_load_errors() == set()  # reported once
-    assert "is gone" in caplog.text and "request is failed" in caplog.text
-    assert c.linker.linked == []
+def _load(req_id: str, spans, block_ids=(0, 1, 2), policy: str = "legolink-2") -> conn.LoadSpec:
+    link = LinkRequest(parse_policy(policy), SINK, tuple(SpanRef(*s) for s in spans))
+    claim, cut = link.claimed(len(PROMPT))
+    return conn.LoadSpec(req_id, LinkRequest(link.policy, SINK, cut), PROMPT[:claim], list(block_ids), 0, claim)
 
 
-def test_a_load_whose_job_is_on_the_board_is_linked_and_reports_no_failure():
-    class Job:
-        job_id, error = "job-present", None
+SPANS = [("sink1-a", 0, 0, 5, False), ("sink1-b", 0, 5, 4, False)]
 
-    BOARD.post_job(Job())
-    try:
-        c = _worker(conn.EpicMeta(loads=[conn.LoadSpec("req-2", "job-present", [7, 8], 0, 20)]))
-        c.start_load_kv(None)
-        assert [[(b, s, e) for _, b, s, e in batch] for batch in c.linker.linked] == [[([7, 8], 0, 20)]]
+
+def test_a_load_reads_each_span_from_the_store_and_links_all_the_step_in_one_batch():
+    stores = _stores(_record("sink1-a", PROMPT[0:5]), _record("sink1-b", PROMPT[5:9]))
+    c = _worker(conn.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS[1:])]), stores)
+    c.start_load_kv(None)
+    (batch,) = c.linker.linked  # one call for the step
+    assert [[(sp.start, sp.kv.token_ids) for sp in job.spans] for job, *_ in batch] == [
+        [(0, PROMPT[0:5]), (5, PROMPT[5:9])],
+        [(5, PROMPT[5:9])],
+    ]
+    assert c.get_block_ids_with_load_errors() == set()
+    assert c.build_connector_worker_meta().results == {
+        "r1": {"recomputed": 3, "linked_spans": 2, "missing": []},
+        "r2": {"recomputed": 3, "linked_spans": 1, "missing": []},
+    }
+    assert c.build_connector_worker_meta() is None  # reported once
+
+
+def test_a_span_whose_record_is_missing_or_holds_other_tokens_is_recomputed_not_linked(caplog):
+    wrong = _record("sink1-b", [SINK, 20, 21, 99])  # filed under b's key, holding other tokens
+    other_sink = _record("sink1-a", [7] + PROMPT[1:5])  # a's tokens compiled behind another sink
+    for records, expect_missing in (((), ["sink1-a", "sink1-b"]), ((wrong, other_sink), ["sink1-a", "sink1-b"])):
+        c = _worker(conn.EpicMeta(loads=[_load("r1", SPANS)]), _stores(*records))
+        with caplog.at_level(logging.WARNING):
+            c.start_load_kv(None)
+        ((job, *_),) = c.linker.linked[0]
+        assert job.spans == []  # every position then has no cache: the linker recomputes it (exact)
         assert c.get_block_ids_with_load_errors() == set()
-    finally:
-        BOARD.drop_job("job-present")
+        assert c.build_connector_worker_meta().results["r1"]["missing"] == expect_missing
 
 
-def test_every_load_of_a_step_is_linked_in_one_batch_and_a_failed_batch_fails_each_job_without_raising():
-    from types import SimpleNamespace
+def test_a_failed_batch_fails_each_request_through_its_blocks_without_raising_into_the_step():
+    stores = _stores(_record("sink1-a", PROMPT[0:5]), _record("sink1-b", PROMPT[5:9]))
+    loads = [_load("r1", SPANS, block_ids=(0, 1, 2)), _load("r2", SPANS, block_ids=(3, 4, 5))]
+    c = _worker(conn.EpicMeta(loads=loads), stores)
 
-    jobs = [SimpleNamespace(job_id=f"job-batch-{i}", error=None) for i in range(3)]
-    for j in jobs:
-        BOARD.post_job(j)
-    loads = [conn.LoadSpec(f"req-{i}", j.job_id, [i], 0, 10) for i, j in enumerate(jobs)]
-    loads.insert(1, conn.LoadSpec("req-gone", "job-not-on-the-board", [5], 0, 10))
-    try:
-        c = _worker(conn.EpicMeta(loads=loads))
-        c.start_load_kv(None)
-        assert [[j for j, *_ in batch] for batch in c.linker.linked] == [jobs]  # one call, the gone one left out
-        assert c.get_block_ids_with_load_errors() == {5}
+    def broken(batch):
+        raise RuntimeError("simulated fault in the batched pass")
 
-        def broken(batch):
-            batch[0].job.error = "its own data was bad"  # failed alone by the linker before the pass
-            raise RuntimeError("simulated fault in the batched pass")
+    c.linker.link_many = broken
+    c.start_load_kv(None)  # never raises into vLLM's step
+    assert c.get_block_ids_with_load_errors() == {0, 1, 2, 3, 4, 5}  # vLLM fails the requests holding them
+    assert c.get_block_ids_with_load_errors() == set()
+    results = c.build_connector_worker_meta().results
+    assert results["r1"] == results["r2"] == {"error": "RuntimeError: simulated fault in the batched pass"}
 
-        c.linker.link_many = broken
-        c.start_load_kv(None)  # never raises into vLLM's step
-        assert jobs[0].error == "its own data was bad"
-        assert [j.error for j in jobs[1:]] == ["RuntimeError: simulated fault in the batched pass"] * 2
-    finally:
-        for j in jobs:
-            BOARD.drop_job(j.job_id)
+
+def test_a_store_that_raises_fails_only_the_request_it_was_reading_for():
+    stores = _stores(_record("sink1-b", PROMPT[5:9]))
+
+    class Exploding(MemoryStore):
+        def get(self, key):
+            if key == "sink1-a":
+                raise OSError("disk gone")
+            return stores.chunks.get(key)
+
+    c = _worker(conn.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS[1:], block_ids=(7, 8, 9))]), stores)
+    c.stores = ChunkStores(Exploding(), stores.glue)
+    c.start_load_kv(None)
+    assert [[job.token_ids for job, *_ in batch] for batch in c.linker.linked] == [[PROMPT[:9]]]  # r2 only
+    assert c.get_block_ids_with_load_errors() == {0, 1, 2}
+    assert "OSError: disk gone" in c.build_connector_worker_meta().results["r1"]["error"]
+
+
+@pytest.mark.parametrize(
+    "link, why",
+    [
+        ({"policy": "full", "spans": [["k", 0, 0, 2, False]]}, "links no chunks"),
+        ({"policy": "legolink-2", "spans": []}, "non-empty"),
+        ({"policy": "legolink-2", "spans": [["k", 0, 0, 2]]}, "is \\[key, offset, start, n, exact\\]"),
+        ({"policy": "legolink-2", "spans": [["k", 0, 4, 2, False], ["j", 0, 5, 1, False]]}, "overlaps"),
+        ({"policy": "legolink-2", "spans": [["k", 0, 8, 9, False]]}, "past the prompt"),
+        ({"policy": "nope", "spans": [["k", 0, 0, 2, False]]}, "unknown policy"),
+    ],
+)
+def test_a_malformed_link_is_refused_by_name_and_the_request_runs_as_a_plain_prefill(link, why):
+    with pytest.raises(ValueError, match=why):
+        LinkRequest.from_params(link, 11)
+    c = object.__new__(conn.EpicConnector)
+    c._results, c._active, c._finished = {}, {}, []
+    req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, kv_transfer_params={"epic": {"link": link}})
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+    c.update_state_after_alloc(req, None, 0)
+    assert c._active == {}
+    done, params = c.request_finished(req, [])
+    assert not done and why.replace("\\", "").split()[0].strip("[") in params["epic"]["error"]
+
+
+def test_the_worker_outcome_reaches_the_request_end_and_nothing_is_kept_for_ended_requests():
+    c = object.__new__(conn.EpicConnector)
+    c._results, c._active, c._finished = {}, {}, []
+    link = {"policy": "legolink-2", "sink": SINK, "spans": [list(s) for s in SPANS]}
+    req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, kv_transfer_params={"epic": {"link": link}})
+    assert c.get_num_new_matched_tokens(req, 0) == (9, False)  # both chunks claimed
+    c.update_state_after_alloc(req, None, 9)
+    meta = conn.EpicWorkerMeta({"r": {"recomputed": 4, "missing": []}, "gone": {"recomputed": 1}})
+    meta.aggregate(conn.EpicWorkerMeta({"r": {"error": "rank 1 failed"}}))  # an error on any rank wins
+    c.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
+    assert set(c._results) == {"r"}  # "gone" already ended: not kept
+    assert c.request_finished(req, []) == (False, {"epic": {"error": "rank 1 failed"}})
+    assert c._active == {} and c._results == {} and c._finished == ["r"]
 
 
 def test_attach_refuses_an_unsupported_configuration_before_building_the_linker():

@@ -32,9 +32,9 @@ eng = EpicEngine(EngineConfig(model=str(model), store=cfg["store"], max_model_le
                               kv_cache_gib=1, dtype="float32"))
 # Every compile takes 1 s more here, so the two replicas' compiles overlap however the OS schedules them.
 compile_batch = eng.chunks._compile_batch
-def slow_compile_batch(todo, store):
+def slow_compile_batch(todo):
     time.sleep(1.0)
-    return compile_batch(todo, store)
+    return compile_batch(todo)
 eng.chunks._compile_batch = slow_compile_batch
 
 def barrier(name):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from epic_rag import Chunk, ChunkRef, RagRequest, parse_policy
+from epic_rag.engine.connector import pending
 from epic_rag.policy import SINK_LEN
 
 CHUNKS = [
@@ -228,23 +229,21 @@ def test_a_failed_link_is_never_served(tiny_engine, monkeypatch):
         raise RuntimeError("simulated linker fault")
 
     monkeypatch.setattr(linker.Linker, "link_many", broken)
-    with pytest.raises(RuntimeError, match="linking failed"):
+    with pytest.raises(RuntimeError, match="finish reason 'error'"):
         tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")
     monkeypatch.undo()
     assert tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4").token_ids
 
 
-def test_a_request_whose_link_job_is_gone_fails_instead_of_answering_from_unfilled_pages(tiny_engine, monkeypatch):
-    from epic_rag.engine.board import BOARD
-
-    # before: the connector logged "link job ... is gone" and vLLM decoded from pages nobody wrote
-    monkeypatch.setattr(BOARD, "job", lambda job_id: None)
-    with pytest.raises(RuntimeError, match="finish reason 'error'"):
-        tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")
-    monkeypatch.undo()
-    assert BOARD.pending() == (0, 0) and tiny_engine.runtime.idle()
-    linked = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")
-    assert linked.token_ids == tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4").token_ids
+def test_chunks_gone_from_the_store_are_compiled_again_and_the_request_answered_as_before(tiny_engine, caplog):
+    before = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")  # compiled and stored
+    tiny_engine.store.clear()  # evicted (or lost with a Redis restart) after the engine saw them stored...
+    tiny_engine.chunks.stores.recent.clear()  # ...and no longer among this process's recent compiles
+    gone = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")
+    assert "retrying once" in caplog.text  # the link failed on the worker; the engine checked and retried
+    assert gone.chunk_misses == len(CHUNKS)  # ...recompiling them
+    assert gone.token_ids == before.token_ids and gone.linked_tokens == before.linked_tokens
+    assert pending() == 0 and tiny_engine.runtime.idle()
 
 
 def test_leading_glue_is_linked_exactly_and_not_recomputed(tiny_engine):
@@ -407,8 +406,8 @@ def test_requests_linked_in_one_step_are_recomputed_in_one_batch_and_equal_one_b
             assert g.token_ids == tiny_engine.generate(_req(chunks), max_tokens=12, policy="full").token_ids
 
 
-def test_one_bad_job_in_a_batch_fails_only_its_request(tiny_engine, monkeypatch):
-    from epic_rag.engine.board import LinkJob
+def test_one_bad_job_in_a_batch_fails_only_its_request(tiny_engine, monkeypatch, caplog):
+    from epic_rag.engine.jobs import LinkJob
 
     initial_recompute = LinkJob.initial_recompute
 
@@ -423,15 +422,15 @@ def test_one_bad_job_in_a_batch_fails_only_its_request(tiny_engine, monkeypatch)
         tiny_engine, [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=8, policy=p) for c, p in batch]
     )
     assert _linker().batch_sizes[2] == before.get(2, 0) + 1  # the two good ones still linked together
-    assert isinstance(got[1], RuntimeError) and "uncached token not recomputed" in str(got[1])
+    assert isinstance(got[1], RuntimeError) and "finish reason 'error'" in str(got[1])
+    assert "uncached token not recomputed" in caplog.text  # the cause, logged by the worker
     assert [g.token_ids for g in (got[0], got[2])] == [refs[0].token_ids, refs[2].token_ids]
 
 
 def test_a_fault_in_the_batched_pass_fails_every_request_of_the_batch_and_the_engine_keeps_serving(
-    tiny_engine, monkeypatch
+    tiny_engine, monkeypatch, caplog
 ):
     from epic_rag.engine import vllm_api
-    from epic_rag.engine.board import BOARD
 
     def broken(*a, **k):
         raise RuntimeError("simulated fault in a decoder layer")
@@ -442,9 +441,10 @@ def test_a_fault_in_the_batched_pass_fails_every_request_of_the_batch_and_the_en
         tiny_engine, [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=4, policy=p) for c, p in batch]
     )
     for g in got:
-        assert isinstance(g, RuntimeError) and "linking failed" in str(g) and "simulated fault" in str(g), g
+        assert isinstance(g, RuntimeError) and "finish reason 'error'" in str(g), g
+    assert "simulated fault" in caplog.text
     monkeypatch.undo()
-    assert BOARD.pending() == (0, 0)
+    assert pending() == 0
     assert tiny_engine.generate(_req(), max_tokens=4, policy="legolink-16").token_ids
 
 

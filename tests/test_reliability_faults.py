@@ -33,7 +33,8 @@ from test_reliability_inputs import engine_idle
 from test_store import mount_tmpfs_or_skip, readonly_dir  # noqa: F401  (fixture)
 
 from epic_rag import RagRequest
-from epic_rag.engine.board import BOARD
+from epic_rag.engine.connector import pending
+from epic_rag.engine.stores import RETRY_S
 from epic_rag.store import DiskStore, MemoryStore, open_store
 from epic_rag.testing.localredis import LocalRedis
 from epic_rag_demo.config import DemoConfig
@@ -134,7 +135,7 @@ class Load:
 
 
 def assert_clean(engine) -> None:
-    assert engine_idle(engine) and BOARD.pending() == (0, 0) and engine.runtime.fatal is None
+    assert engine_idle(engine) and pending() == 0 and engine.runtime.fatal is None
 
 
 # ---------------------------------------------------------------------- Redis
@@ -164,7 +165,8 @@ def test_redis_stopped_and_restarted_under_load_every_request_is_answered_correc
         assert len(during) >= 3, "no request was answered while Redis was down"
         assert down["available"] == 0 == down_after["available"]
         assert down_after["hits"] == down["hits"] and down_after["puts"] == down["puts"]  # Redis skipped
-        assert sum(misses for _, _, _, misses in during) > 0  # chunks compiled again meanwhile
+        # chunks still linked meanwhile, from this process's recent compiles (Redis could not serve them)
+        assert any(hits > 0 for _, _, hits, _ in during)
         assert any(hits > 0 for _, _, hits, _ in after), "Redis was not used again after its restart"
         st = store.tier_stats()["redis"]
         assert st["available"] == 1 and st["errors"] >= 1 and st["corrupt"] == 0
@@ -214,6 +216,7 @@ def test_disk_store_turning_read_only_while_serving(tiny_engine, references, wit
         assert store.stats.errors >= 1 and "Read-only file system" in caplog.text
         assert any(hits > 0 for _, _, hits, _ in load.results)  # old entries still read
         assert subprocess.run(["mount", "-o", "remount,rw", str(d)]).returncode == 0
+        time.sleep(RETRY_S)  # records the disk refused are offered to it again after this long
         for i in range(N_DISTINCT):
             tiny_engine.generate(request(i), max_tokens=6, policy="legolink-4")
         assert set(store.keys()) > written  # writes resume once the disk is writable again
@@ -449,7 +452,7 @@ def _disconnect_mid_stream(url: str) -> int:
 
 def _settled(server, tiny_engine) -> None:
     assert engine_idle(tiny_engine, 10), "the engine kept generating for a client that left"
-    assert BOARD.pending() == (0, 0)
+    assert pending() == 0
     end = time.monotonic() + 5
     while server.app.state.demo.active_chats and time.monotonic() < end:
         time.sleep(0.02)

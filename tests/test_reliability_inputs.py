@@ -24,7 +24,7 @@ import pytest
 from test_demo_unit import HashEncoder
 
 from epic_rag import Chunk, ChunkRef, RagRequest
-from epic_rag.engine.board import BOARD
+from epic_rag.engine.connector import pending
 from epic_rag.prompt import encode_text
 from epic_rag_demo.config import DemoConfig
 from epic_rag_demo.server import BackgroundServer, create_app
@@ -65,7 +65,7 @@ def reference(tiny_engine) -> list[int]:
 def assert_unpoisoned(engine, reference: list[int]) -> None:
     """No leftovers from the bad request, and the good request still gives the reference tokens."""
     assert engine_idle(engine), "a request was left running in the engine"
-    assert BOARD.pending() == (0, 0), "a link job or KV capture was left on the board"
+    assert pending() == 0, "a link job or KV capture was left on the board"
     assert engine.runtime.fatal is None
     g = engine.generate(good_request(), max_tokens=NEW_TOKENS, temperature=0.0, policy="legolink-4")
     assert g.token_ids == reference

@@ -326,7 +326,7 @@ def test_amx_bf16_layout_is_probed_and_its_kernel_attention_equals_masked_attent
 @pytest.mark.parametrize("lead", [1, 5])
 @pytest.mark.parametrize("steps", [[(0, 12)], [(0, 3), (3, 7), (7, 12)], [(0, 1), (1, 5), (5, 12)]])
 def test_capture_keeps_the_sink_and_the_chunk_whatever_the_prefill_steps(lead, steps):
-    from epic_rag.engine.board import Capture
+    from epic_rag.engine.jobs import Capture
 
     # Prompt [lead] + chunk of 12 - lead tokens; the record keeps position 0 and positions lead.. in order.
     cap = Capture(k=torch.empty(1, 12 - lead + 1), v=torch.empty(1, 12 - lead + 1), lead=lead)

@@ -1,43 +1,38 @@
-"""Chunk resolution: find each chunk's tokens and KV, compiling the missing ones in vLLM batches.
+"""Chunk resolution: find each chunk's tokens, make sure its record is stored, compiling the missing ones.
 
 Compile = a chunk submitted to vLLM behind the compile lead (`prompt.compile_lead`: the default prompt up to
-its first document, whose first token is the sink) as an ordinary request (max_tokens=1); the connector copies
-the sink's and the chunk's freshly computed KV out of the paged cache into a Capture after the step, and the
-record ([sink] + chunk, see Capture) is stored. Many callers wanting the same missing chunk compile it once:
-within a process by single flight, across processes sharing a store (replicas on one Redis) by the store's
-compile lock (`ChunkStore.compile_lock`): one compiles, the others wait for its entry and load it.
-The glue before a prompt's first chunk is compiled bare ("plain": it sits at position 0 in the prompt too).
+its first document, whose first token is the sink) as an ordinary request carrying a compile job (jobs.py);
+the connector copies the sink's and the chunk's freshly computed KV out of the paged cache and stores the
+record ([sink] + chunk, see jobs.Capture) from the worker, reporting the outcome in the request's output.
+Many callers wanting the same missing chunk compile it once: within a process by single flight, across
+processes sharing a store (replicas on one Redis) by the store's compile lock (`ChunkStore.compile_lock`):
+one compiles, the others wait for its entry.
+The glue before a prompt's first chunk is compiled bare ("plain": it sits at position 0 in the prompt too)
+into the glue store (stores.py). The engine never loads chunk KV itself: the worker reads it when it links.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
-import uuid
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-import torch
-
-from ..keys import chunk_key
+from ..keys import chunk_key, compile_variant
 from ..policy import SINK_LEN, Policy
 from ..prompt import check_chunk_text, encode_text
-from ..store import ChunkKV, ChunkStore, MemoryStore
+from ..store import ChunkKV, ChunkStore
 from ..types import Chunk, ChunkRef, PlacedChunk
-from .board import BOARD, Capture, LinkSpan
+from .jobs import CompileRequest, SpanRef
 from .runtime import Runtime
+from .stores import ChunkStores
 
 log = logging.getLogger(__name__)
 
 MIN_EXACT_PREFIX = 8  # shorter leading glue is simply recomputed
 TOKEN_INDEX_SIZE = 100_000  # chunk key -> token ids remembered, so `full` never loads KV to read tokens
-# The glue before the first chunk (system prompt, instructions) is client-controlled: its KV stays in this
-# bounded process-private LRU and never reaches the shared tiers, where every new system prompt would add
-# an entry no budget was set for.
-LEAD_CACHE_BYTES = 256 << 20
+STORED_INDEX_SIZE = 100_000  # keys the worker reported stored (its memory tier is not visible from here)
 
 
 class ChunkResolver:
@@ -45,7 +40,7 @@ class ChunkResolver:
 
     def __init__(
         self,
-        store: ChunkStore,
+        stores: ChunkStores,
         runtime: Runtime,
         tokenizer,
         fingerprint: str,
@@ -53,19 +48,35 @@ class ChunkResolver:
         max_model_len: int,
         lead: list[int],
     ) -> None:
-        self.store, self.runtime, self.tokenizer = store, runtime, tokenizer
+        self.stores, self.runtime, self.tokenizer = stores, runtime, tokenizer
         self.fingerprint, self.kv_info, self.max_model_len = fingerprint, kv_info, max_model_len
         self.lead = lead  # every chunk is compiled behind these tokens (prompt.compile_lead)
         self.sink_token = self.lead[0]
-        # The compile variant names the lead: another template or instruction never hits these records.
-        # (The sink alone keeps its historic name, so records compiled that way before stay valid.)
-        digest = hashlib.sha256(array("q", self.lead).tobytes()).hexdigest()[:8]
-        self.variant = f"sink{SINK_LEN}" if len(self.lead) == SINK_LEN else f"lead{digest}"
+        self.variant = compile_variant(self.lead)
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
         self.compiled = 0  # chunks (and glue) compiled by this engine; those another process compiled are loaded
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()
-        self.glue = MemoryStore(max_bytes=LEAD_CACHE_BYTES)  # (see LEAD_CACHE_BYTES)
+        # Keys whose records the worker stored (its outcome), and keys a link found missing or misfiled
+        # (recompiled at their next use; a misfiled entry is then overwritten).
+        self._stored: OrderedDict[str, None] = OrderedDict()
+        self._suspect: set[str] = set()
+
+    @property
+    def store(self) -> ChunkStore:
+        return self.stores.chunks
+
+    @store.setter
+    def store(self, store: ChunkStore) -> None:
+        with self._lock:  # what the worker stored before is in the old store (or spilled beside it)
+            self.stores.chunks = store
+            self.stores.forget_recent()
+            self._stored = OrderedDict((k, None) for k in self._stored if k.startswith("plain-"))
+            self._suspect.clear()
+
+    @property
+    def glue(self) -> ChunkStore:
+        return self.stores.glue
 
     def key(self, token_ids: Sequence[int], variant: str) -> str:
         return chunk_key(self.fingerprint, token_ids, variant)
@@ -103,7 +114,7 @@ class ChunkResolver:
         if ids is None:
             raise ValueError(f"chunk {seg.key!r} in the store was not compiled behind this engine's sink")
         self.remember(seg.key, ids)
-        return PlacedChunk(ids, kv=kv)
+        return PlacedChunk(ids)
 
     def record_tokens(self, kv: ChunkKV) -> list[int] | None:
         """The tokens a stored record was keyed by: a chunk record's without its sink, which must be this
@@ -121,47 +132,72 @@ class ChunkResolver:
         toks = [self.chunk_tokens(t) for t in texts]
         keys = [self.key(tk, self.variant) for tk in toks]
         # An existence check, not a load: re-compiling a stored corpus must not read all its KV back.
-        missing = [(tk, self.variant) for tk, key in zip(toks, keys) if not self.store.contains(key)]
+        missing = [(tk, self.variant) for tk, key in zip(toks, keys) if not self._known(key, verify=False)]
         for i in range(0, len(missing), batch_size):
             self.resolve(missing[i : i + batch_size])
         for key, tk in zip(keys, toks):
             self.remember(key, tk)
         return [ChunkRef(key, len(tk), t) for key, tk, t in zip(keys, toks, texts)]
 
-    def link_spans(self, token_ids: list[int], chunks: list[PlacedChunk], policy: Policy) -> tuple[list[LinkSpan], int]:
+    def link_spans(self, token_ids: list[int], chunks: list[PlacedChunk], policy: Policy) -> tuple[list[SpanRef], int]:
         """The spans a request links under `policy`, compiling what is missing; and how many chunks were
         compiled here (misses)."""
-        wanted = [(c.token_ids, self.variant) for c in chunks]
-        known = {c.kv.key: c.kv for c in chunks if c.kv is not None}
-        kvs, misses = self.resolve(wanted, known)
+        misses = self.resolve([(c.token_ids, self.variant) for c in chunks])
         # A record holds [sink] + chunk: the span starts at the sink where the prompt keeps it.
-        spans = [LinkSpan(c.start - c.sink, kv if c.sink else kv.slice(SINK_LEN)) for c, kv in zip(chunks, kvs)]
+        spans = []
+        for c in chunks:
+            offset = SINK_LEN - c.sink
+            spans.append(
+                SpanRef(self.key(c.token_ids, self.variant), offset, c.start - c.sink, c.sink + len(c.token_ids))
+            )
         # The glue before the first chunk (system prompt, instructions) sits at position 0 with no context
         # before it: its compiled KV is exact, so it is linked like a chunk and never recomputed.
         lead = chunks[0].start - chunks[0].sink
         if lead >= MIN_EXACT_PREFIX:
-            (prefix_kv,), _ = self.resolve([(token_ids[:lead], "plain")], store=self.glue)
-            spans.insert(0, LinkSpan(0, prefix_kv, exact=True))
+            self.resolve([(token_ids[:lead], "plain")])
+            spans.insert(0, SpanRef(self.key(token_ids[:lead], "plain"), 0, 0, lead, exact=True))
         return spans, misses
 
-    def resolve(
-        self,
-        wanted: list[tuple[list[int], str]],
-        known: dict[str, ChunkKV] | None = None,
-        store: ChunkStore | None = None,
-    ) -> tuple[list[ChunkKV], int]:
-        """Every chunk's KV (from `known`, already loaded, or `store`, default the engine's), compiling the
-        missing ones in one vLLM batch (single flight, and once across the processes sharing `store`) and
-        storing them there. Returns the KVs in order and how many were compiled here."""
-        store = self.store if store is None else store
-        results: list[ChunkKV | None] = [None] * len(wanted)
-        waits: list[tuple[int, Future]] = []
+    def forget(self, keys: Sequence[str]) -> None:
+        """Keys a link did not find (evicted, or an entry that does not hold its tokens): compiled again at
+        their next use."""
+        with self._lock:
+            for key in keys:
+                self._stored.pop(key, None)
+                self._suspect.add(key)
+
+    def _known(self, key: str, glue: bool = False, verify: bool = True) -> bool:
+        """Whether a record is stored. Keys the worker reported stored are trusted; any other key (stored by
+        another process, or one a link did not find) is read and checked as the worker will read it (its
+        tokens hash to its key, the entry is intact) or, without `verify`, only looked up."""
+        with self._lock:
+            if key in self._stored and key not in self._suspect:
+                self._stored.move_to_end(key)
+                return True
+        if not verify:
+            return (self.glue if glue else self.store).contains(key)
+        if self.stores.get(key, glue) is None:
+            return False
+        self._mark_stored(key)
+        return True
+
+    def _mark_stored(self, key: str) -> None:
+        with self._lock:
+            self._suspect.discard(key)
+            self._stored[key] = None
+            self._stored.move_to_end(key)
+            while len(self._stored) > STORED_INDEX_SIZE:
+                self._stored.popitem(last=False)
+
+    def resolve(self, wanted: list[tuple[list[int], str]]) -> int:
+        """Make sure every chunk's record is stored (plain glue in the glue store, chunks in the chunk
+        store), compiling the missing ones in one vLLM batch (single flight, and once across the processes
+        sharing the store). Returns how many were compiled here."""
+        waits: list[Future] = []
         mine: dict[str, tuple[Future, list[int], str]] = {}
-        for i, (tokens, variant) in enumerate(wanted):
+        for tokens, variant in wanted:
             key = self.key(tokens, variant)
-            kv = (known or {}).get(key) or store.get(key)
-            if kv is not None:
-                results[i] = kv
+            if self._known(key, glue=variant == "plain"):
                 continue
             with self._lock:
                 fut = self._inflight.get(key)
@@ -169,37 +205,36 @@ class ChunkResolver:
                     fut = Future()
                     self._inflight[key] = fut
                     mine[key] = (fut, tokens, variant)
-            waits.append((i, fut))
-        compiled = self._compile_once(mine, store) if mine else 0
-        for i, fut in waits:
-            results[i] = fut.result()
-        return results, compiled  # type: ignore[return-value]
+            waits.append(fut)
+        compiled = self._compile_once(mine) if mine else 0
+        for fut in waits:
+            fut.result()
+        return compiled
 
-    def _compile_once(self, todo: dict[str, tuple[Future, list[int], str]], store: ChunkStore) -> int:
+    def _compile_once(self, todo: dict[str, tuple[Future, list[int], str]]) -> int:
         """Resolve the futures of `todo` (chunks this thread leads), compiling each chunk once among the
-        processes sharing `store`: those whose compile lock this process takes are compiled here in one
+        processes sharing the store: those whose compile lock this process takes are compiled here in one
         batch (the lock released once they are stored); the others are being compiled by another process,
-        whose entries are waited for and loaded, or compiled here after all when it dies or gives up.
-        Returns how many were compiled here."""
-        locks = {}
+        whose entries are waited for, or compiled here after all when it dies or gives up. Glue is
+        process-private: never locked. Returns how many were compiled here."""
+        locks = {key: self.store.compile_lock(key) for key, (_, _, variant) in todo.items() if variant != "plain"}
         compiled = 0
         try:
-            for key in todo:
-                locks[key] = store.compile_lock(key)
-            batch = {key: job for key, job in todo.items() if locks[key].acquire()}
+            batch = {key: job for key, job in todo.items() if key not in locks or locks[key].acquire()}
             if batch:
-                self._compile_batch(batch, store)
+                self._compile_batch(batch)
                 compiled += len(batch)
                 for key in batch:  # stored: a process waiting for them finds them now
-                    locks[key].release()
+                    if key in locks:
+                        locks[key].release()
             for key, (fut, tokens, variant) in todo.items():
                 if key in batch:
                     continue
-                kv = locks[key].wait()
-                if kv is not None:
-                    fut.set_result(kv)
+                if locks[key].wait() is not None:
+                    self._mark_stored(key)
+                    fut.set_result(None)
                     continue
-                self._compile_batch({key: (fut, tokens, variant)}, store)
+                self._compile_batch({key: (fut, tokens, variant)})
                 compiled += 1
                 locks[key].release()
         except BaseException as e:
@@ -216,54 +251,41 @@ class ChunkResolver:
                     self._inflight.pop(key, None)
         return compiled
 
-    def _compile_batch(self, todo: dict[str, tuple[Future, list[int], str]], store: ChunkStore) -> None:
-        info = self.kv_info
-        L, H, D = info["num_layers"], info["num_kv_heads"], info["head_size"]
-        kv_dtype = getattr(torch, info["kv_dtype"].removeprefix("torch."))
-        done: list[tuple[str, str, Capture, list[int], list[int], Future, threading.Event]] = []
+    def _compile_batch(self, todo: dict[str, tuple[Future, list[int], str]]) -> None:
+        """Compile `todo` in one vLLM batch: each prompt runs with a compile job, the worker stores the record
+        and says so in the request's output. Two tokens are generated so the outcome, reported after the
+        prefill's last step, reaches the request's end (vLLM reports a step's connector outcomes after it
+        finishes the requests of that step)."""
+        done: list[tuple[str, Future, threading.Event]] = []
         submitted: list[str] = []  # vLLM request ids, aborted if the batch fails part-way
         try:
             for key, (fut, tokens, variant) in todo.items():
-                lead = self.lead if variant == self.variant else []
-                prompt = lead + tokens
-                record = lead[:SINK_LEN] + tokens  # the sink and the chunk (see Capture)
-                cap = Capture(
-                    k=torch.empty((L, len(record), H, D), dtype=kv_dtype),
-                    v=torch.empty((L, len(record), H, D), dtype=kv_dtype),
-                    lead=max(len(lead), 1),
-                )
-                cap_id = uuid.uuid4().hex
-                BOARD.post_capture(cap_id, cap)
+                lead = self.lead if variant != "plain" else []
+                job = CompileRequest(key, len(lead), glue=variant == "plain")
                 ev = threading.Event()
-                done.append((key, cap_id, cap, prompt, record, fut, ev))
-                submitted.append(
-                    self.runtime.submit_tokens(
-                        prompt, event_sink(ev), max_tokens=1, kv_params={"epic": {"capture": cap_id}}
-                    )
+                req_id = self.runtime.submit_tokens(
+                    lead + tokens,
+                    event_sink(ev),
+                    max_tokens=2,
+                    min_tokens=2,
+                    ignore_eos=True,
+                    kv_params=job.to_params(),
                 )
-            for key, cap_id, cap, prompt, record, fut, ev in done:
+                submitted.append(req_id)
+                done.append((key, fut, ev))
+            for key, fut, ev in done:
                 self.runtime.wait_for(ev)
-                BOARD.pop_capture(cap_id)
-                err = getattr(ev, "error", None) or cap.error
-                if err is None and cap.filled_to < len(prompt):
-                    err = f"captured {cap.filled_to} of {len(prompt)} tokens"
+                outcome = getattr(ev, "outcome", None) or {}
+                err = getattr(ev, "error", None) or outcome.get("error")
+                if err is None and outcome.get("stored") != key:
+                    err = f"the engine reported no stored record ({outcome or 'no outcome'})"
                 if err is not None:
                     raise RuntimeError(f"compiling chunk {key} failed: {err}")
-                # keys at positions lead-1 (the sink, moved there) onwards
-                kv = ChunkKV(key=key, token_ids=record, k=cap.k, v=cap.v, base_pos=cap.lead - 1)
-                try:
-                    store.put(kv)
-                except Exception:
-                    log.exception("storing chunk %s failed; serving it from this compile", key)
-                fut.set_result(kv)
+                self._mark_stored(key)
+                fut.set_result(None)
         except BaseException as e:
             for req_id in submitted:  # no-op for those already finished
                 self.runtime.abort(req_id)
-            for _, cap_id, *_ in done:  # nothing left on the board
-                BOARD.pop_capture(cap_id)
-            for *_, fut, _ in done:
-                if not fut.done():
-                    fut.set_exception(e)
             for fut, _, _ in todo.values():
                 if not fut.done():
                     fut.set_exception(e)
@@ -271,13 +293,18 @@ class ChunkResolver:
 
 
 def event_sink(ev: threading.Event) -> Callable:
-    """A runtime sink that only signals the request's end (or its error, as `ev.error`)."""
+    """A runtime sink that only signals the request's end: its connector outcome as `ev.outcome`, or its
+    error as `ev.error`."""
 
     def sink(d):
         if isinstance(d, BaseException):
             ev.error = f"{type(d).__name__}: {d}"  # type: ignore[attr-defined]
             ev.set()
         elif d.finished:
+            p = (d.kv_transfer_params or {}).get("epic")
+            ev.outcome = p if isinstance(p, dict) else None  # type: ignore[attr-defined]
+            if d.finish_reason == "error":
+                ev.error = "vLLM finished the compile with an error"  # type: ignore[attr-defined]
             ev.set()
 
     return sink

@@ -1,20 +1,25 @@
 """EpicConnector: LegoLink as an out-of-tree vLLM V1 KV connector, plus the worker extension.
 
 vLLM builds one instance per role. Scheduler-side hooks (get_num_new_matched_tokens,
-update_state_after_alloc, build_connector_meta, request_finished) run in the scheduler, once per step;
-what they decide reaches the worker only through the EpicMeta they build. Worker-side hooks
-(register_kv_caches, start_load_kv, wait_for_save, ...) run in the model runner around each forward.
+update_state_after_alloc, build_connector_meta, update_connector_output, request_finished) run in the
+scheduler, once per step; what they decide reaches the worker only through the EpicMeta they build.
+Worker-side hooks (register_kv_caches, start_load_kv, wait_for_save, build_connector_worker_meta, ...) run
+in the model runner around each forward; their outcomes come back through EpicWorkerMeta.
 
-- A request whose params carry {"epic": {"link": job_id, "claim": n}} has its first n prompt tokens
-  claimed as externally computed; `start_load_kv` fills their pages with the linker before the forward,
-  and vLLM computes the rest (question, template tail).
-- A request carrying {"epic": {"capture": cap_id}} is a compile: `wait_for_save` copies its freshly
-  computed KV out of the paged cache after the forward.
+Everything a request asks for travels inside it (jobs.py), so the connector works wherever vLLM runs its
+engine core: in the caller's process, in its own process, under `vllm serve`.
+- A link ({"epic": {"link": ...}}) has its first `claim` prompt tokens claimed as externally computed;
+  `start_load_kv` reads the spans' records from the worker's store and fills their pages with the linker
+  before the forward, and vLLM computes the rest (question, template tail). A record that is missing or does
+  not hold the prompt's tokens there is recomputed instead (the answer stays exact, only slower).
+- A compile ({"epic": {"compile": ...}}) has its freshly computed KV copied out of the paged cache after
+  each prefill step (`wait_for_save`) and stored under its key once the prompt is complete.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,21 +27,32 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
 )
 
+from ..store import ChunkKV
 from . import rope, vllm_api
-from .board import BOARD
+from .jobs import Capture, CompileRequest, LinkJob, LinkRequest, LinkSpan, epic_params
 from .layout import layout_for
 from .linker import WORKSPACE_PROMPTS, Linker, LinkLoad
+from .stores import ChunkStores, worker_stores
 from .support import check_supported
 
 log = logging.getLogger(__name__)
+_INSTANCES: weakref.WeakSet = weakref.WeakSet()
+
+
+def pending() -> int:
+    """Requests the connectors of this process still hold state for (both roles; 0 when nothing is in
+    flight): a check that finished and aborted requests leave nothing behind."""
+    return sum(len(c._active) + len(c._results) + len(c._captures) + len(c._step_results) for c in _INSTANCES)
 
 
 @dataclass(slots=True)
 class LoadSpec:
     req_id: str
-    job_id: str
+    link: LinkRequest  # spans cut to the claim
+    token_ids: list[int]  # prompt[:claim]
     block_ids: list[int]
     start: int
     end: int
@@ -45,75 +61,119 @@ class LoadSpec:
 @dataclass(slots=True)
 class CaptureSpec:
     req_id: str
-    cap_id: str
+    compile: CompileRequest
     block_ids: list[int]
     start: int
     end: int
+    num_prompt: int
+    prompt: list[int] | None = None  # the prompt's tokens, on the step that completes it
 
 
 @dataclass
 class EpicMeta(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     captures: list[CaptureSpec] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # requests gone since the last step: drop their buffers
+
+
+@dataclass
+class EpicWorkerMeta(KVConnectorWorkerMetadata):
+    """Outcomes of this step's links and compiles, by request id (jobs.py documents the forms)."""
+
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, EpicWorkerMeta):
+            for req_id, r in other.results.items():  # tensor-parallel ranks: an error on any rank wins
+                if "error" in r or req_id not in self.results:
+                    self.results[req_id] = r
+        return self
 
 
 @dataclass(slots=True)
 class _ReqState:
-    params: dict[str, Any]
-    num_prompt: int
+    link: LinkRequest | None
+    compile: CompileRequest | None
+    prompt: list[int]
     n_ext: int
     load_pending: bool
-
-
-def _epic_params(request) -> dict[str, Any] | None:
-    p = getattr(request, "kv_transfer_params", None) or {}
-    return p.get("epic") if isinstance(p, dict) else None
 
 
 class EpicConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
-        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
+        self.extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
         # prompt tokens one batched link pass holds (the linker's workspace; vllm_api.gpu_memory_share counts it)
         default_ws = WORKSPACE_PROMPTS * vllm_config.model_config.max_model_len
-        self.workspace_tokens = int(extra.get("workspace_tokens", default_ws))
+        self.workspace_tokens = int(self.extra.get("workspace_tokens", default_ws))
+        # scheduler side
         self._active: dict[str, _ReqState] = {}
+        self._results: dict[str, dict[str, Any]] = {}  # worker outcomes (and refusals) until the request ends
+        self._finished: list[str] = []
         self._kvm = None
+        # worker side
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.linker: Linker | None = None
-        self._load_errors: set[int] = set()  # worker: blocks whose claimed KV was not written this step
+        self.stores: ChunkStores | None = None
+        self.fingerprint: str | None = None
+        self._captures: dict[str, Capture] = {}
+        self._refusal: str | None = None  # why attaching on first use failed
+        self._runner = None  # the model runner that registered the caches
+        self._step_results: dict[str, dict[str, Any]] = {}
+        self._load_errors: set[int] = set()  # blocks whose claimed KV was not written this step
+        _INSTANCES.add(self)
 
     # ---------------- scheduler side ----------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         """Scheduler, at start-up: the manager whose block tables build_connector_meta reads."""
         self._kvm = kv_cache_manager
 
+    def _parse(self, request) -> tuple[LinkRequest | None, CompileRequest | None]:
+        """The request's link or compile; one that does not parse is refused here (logged, its reason
+        returned at its end) and the request runs as a plain prefill."""
+        p = epic_params(getattr(request, "kv_transfer_params", None))
+        if not p:
+            return None, None
+        n = len(request.prompt_token_ids or [])
+        try:
+            if "link" in p:
+                return LinkRequest.from_params(p["link"], n), None
+            if "compile" in p:
+                return None, CompileRequest.from_params(p["compile"], n)
+            raise ValueError(f"epic: expected 'link' or 'compile', got {sorted(p)}")
+        except ValueError as e:
+            log.warning("request %s: %s; computed without linking", request.request_id, e)
+            self._results[request.request_id] = {"error": str(e)}
+            return None, None
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Scheduler, when a waiting request is considered: how many prompt tokens beyond
         `num_computed_tokens` (vLLM's own prefix-cache hits) this connector provides, and whether it loads
         them asynchronously (never: links run synchronously before the forward). Reads the request only."""
-        p = _epic_params(request)
-        if not p or "link" not in p:
+        link, _ = self._parse(request)
+        if link is None:
             return 0, False
-        return max(int(p["claim"]) - num_computed_tokens, 0), False
+        return max(link.claim(len(request.prompt_token_ids)) - num_computed_tokens, 0), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Scheduler, after blocks were allocated for a request: remember what to load or capture for it."""
-        p = _epic_params(request)
-        if p is None:
+        link, comp = self._parse(request)
+        if link is None and comp is None:
             return
         self._active[request.request_id] = _ReqState(
-            params=p,
-            num_prompt=len(request.prompt_token_ids or []),
+            link=link,
+            compile=comp,
+            prompt=list(request.prompt_token_ids),
             n_ext=num_external_tokens,
-            load_pending=num_external_tokens > 0,
+            load_pending=link is not None and num_external_tokens > 0,
         )
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         """Scheduler, once per step after scheduling: the loads (links, once per request) and captures
         (each step of a compile's prefill) the worker must run in this step, with their block ids."""
-        meta = EpicMeta()
+        meta = EpicMeta(finished=self._finished)
+        self._finished = []
         if not self._active:
             return meta
         for req_id, num_computed in vllm_api.scheduled_steps(scheduler_output):
@@ -122,32 +182,49 @@ class EpicConnector(KVConnectorBase_V1):
                 continue
             block_ids = vllm_api.block_ids_of(self._kvm, req_id)
             if st.load_pending:
-                meta.loads.append(LoadSpec(req_id, st.params["link"], block_ids, num_computed - st.n_ext, num_computed))
+                claim, link = st.link.cut(len(st.prompt))
+                start = num_computed - st.n_ext
+                meta.loads.append(LoadSpec(req_id, link, st.prompt[:claim], block_ids, start, num_computed))
                 st.load_pending = False
-            if "capture" in st.params:
+            if st.compile is not None:
                 n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-                end = min(num_computed + n_sched, st.num_prompt)
+                num_prompt = len(st.prompt)
+                end = min(num_computed + n_sched, num_prompt)
                 if end > num_computed:
-                    meta.captures.append(CaptureSpec(req_id, st.params["capture"], block_ids, num_computed, end))
+                    prompt = st.prompt if end == num_prompt else None
+                    meta.captures.append(
+                        CaptureSpec(req_id, st.compile, block_ids, num_computed, end, num_prompt, prompt)
+                    )
         return meta
 
+    def update_connector_output(self, connector_output) -> None:
+        """Scheduler, after each step: the worker's outcomes, kept until their requests finish."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, EpicWorkerMeta):
+            self._results.update({r: v for r, v in meta.results.items() if r in self._active})
+
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        """Scheduler, when a request finishes or is aborted: forget it; its blocks are freed at once
-        (False: nothing is saved asynchronously)."""
-        self._active.pop(request.request_id, None)
-        return False, None
+        """Scheduler, when a request finishes or is aborted: forget it, returning the worker's outcome in
+        its kv_transfer_params (a link's counts arrive one step after the link: a request that finishes in
+        its first step has none). Its blocks are freed at once (nothing is saved asynchronously)."""
+        if self._active.pop(request.request_id, None) is not None:
+            self._finished.append(request.request_id)
+        result = self._results.pop(request.request_id, None)
+        return False, ({"epic": result} if result is not None else None)
 
     # ---------------- worker side ----------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Worker, once after the paged caches are allocated: layer name -> cache tensor."""
+        """Worker, once after the paged caches are allocated: layer name -> cache tensor. Its caller, the
+        model runner, is kept: where nobody attaches the connector, it attaches itself on first use."""
         self.kv_caches = kv_caches
+        self._runner = vllm_api.calling_model_runner()
 
     def attach(self, model: torch.nn.Module) -> dict[str, Any]:
         """Not a vLLM hook: called once by the engine (through the worker extension) after start-up.
         Refuses every configuration the linker does not handle (support.check_supported: quantized KV,
         soft-capping, ALiBi, sinks, sliding windows, per-layer RoPE or head sizes, split kernel blocks, ...),
         then binds the vLLM model, picks the KV layout and self-checks it, builds the key rotator and checks
-        it numerically against the model's own RoPE; any failure refuses to serve."""
+        it numerically against the model's own RoPE, and opens the stores; any failure refuses to serve."""
         if not self.kv_caches:
             raise RuntimeError("KV caches are not registered yet")
         layers = vllm_api.decoder_layers(model)
@@ -160,6 +237,8 @@ class EpicConnector(KVConnectorBase_V1):
         layout.self_check(cache)
         rotator = rope.KeyRotator(rotary)
         rope.self_check(rotator, rotary, attn.head_size, attn.num_kv_heads, cache.dtype)
+        self.fingerprint = vllm_api.worker_fingerprint(self._vllm_config, cache.dtype)
+        self.stores = worker_stores(self.extra, self.fingerprint)
         linker = Linker(
             model=model,
             kv_caches=self.kv_caches,
@@ -179,49 +258,113 @@ class EpicConnector(KVConnectorBase_V1):
             "head_size": attn.head_size,
             "link_workspace_tokens": linker.workspace_tokens,
             "link_workspace_bytes": linker.workspace_nbytes,
+            "fingerprint": self.fingerprint,
         }
+
+    def _attached(self, meta: EpicMeta) -> bool:
+        """Attach on first use where nobody did (`vllm serve` makes no worker-extension call). A refusal
+        fails this step's links and compiles, never the step."""
+        if self.linker is not None or not (meta.loads or meta.captures):
+            return True
+        if self._refusal is None:
+            try:
+                if self._runner is None:
+                    raise RuntimeError("the connector was not given the model (register_kv_caches' caller)")
+                info = self.attach(self._runner.get_model())
+                log.info("EpicConnector attached: %s", info)
+                return True
+            except Exception as e:
+                log.exception("EpicConnector cannot link or compile in this engine")
+                self._refusal = f"{type(e).__name__}: {e}"
+        bs = self.block_size
+        for load in meta.loads:
+            self._load_errors.update(load.block_ids[load.start // bs : -(-load.end // bs)])
+        for spec in [*meta.loads, *meta.captures]:
+            self._step_results[spec.req_id] = {"error": self._refusal}
+        return False
+
+    def _job(self, load: LoadSpec) -> tuple[LinkJob, list[str]]:
+        """The worker-side job: each span's record read from the store and checked against the prompt's
+        tokens there; spans whose record is missing or does not match are left out (recomputed)."""
+        spans, missing = [], []
+        for s in load.link.spans:
+            kv = self.stores.get(s.key, glue=s.exact)
+            if not self._matches(kv, s, load):
+                missing.append(s.key)
+                continue
+            spans.append(LinkSpan(s.start, kv.slice(s.offset, s.offset + s.n), s.exact))
+        job = LinkJob(load.token_ids, spans, load.link.policy)
+        if missing and load.link.on_missing == "fail":
+            job.error = f"chunk records missing or damaged: {', '.join(missing)}"
+        return job, missing
+
+    @staticmethod
+    def _matches(kv: ChunkKV | None, s, load: LoadSpec) -> bool:
+        if kv is None or kv.num_tokens < s.offset + s.n:
+            return False
+        if not s.exact and load.link.sink is not None and kv.token_ids[0] != load.link.sink:
+            return False  # compiled behind another sink
+        if kv.token_ids[s.offset : s.offset + s.n] != load.token_ids[s.start : s.end]:
+            log.error("record %s does not hold the prompt's tokens at %d: recomputed", s.key, s.start)
+            return False
+        return True
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Worker, before the step's forward: link every request in this step's loads, all in one batch
-        (one recompute pass per layer for all of them; writes their claimed pages in every layer). A failure
-        is recorded on the job, never raised: the engine then discards that request's answer before any
-        token is passed on. A request whose own data is invalid is failed alone by the linker; a failure of
-        the batched pass fails every request of the batch. A load whose job is no longer on the board (the
-        caller dropped it) cannot be filled and has no job to flag: its blocks are reported to vLLM as
-        failed loads (get_block_ids_with_load_errors), so vLLM fails that request (finish reason "error",
-        no token of this step passed on, the blocks dropped from its prefix cache) and the engine raises
-        instead of answering from unfilled pages."""
+        (one recompute pass per layer for all of them; writes their claimed pages in every layer). A request
+        whose link fails is never answered from its pages: its blocks are reported as failed loads
+        (get_block_ids_with_load_errors), so vLLM fails it (finish reason "error", no token passed on, the
+        blocks dropped from its prefix cache). A request whose own data is invalid is failed alone by the
+        linker; a failure of the batched pass fails every request of the batch."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, EpicMeta):
+        if not isinstance(meta, EpicMeta) or not self._attached(meta):
             return
-        batch: list[LinkLoad] = []
+        for req_id in meta.finished:
+            self._captures.pop(req_id, None)
+        if not meta.loads:
+            return
+        batch: list[tuple[LoadSpec, LinkLoad, list[str]]] = []
         for load in meta.loads:
-            job = BOARD.job(load.job_id)
-            if job is None:
-                bs = self.block_size
-                self._load_errors.update(load.block_ids[load.start // bs : -(-load.end // bs)])
-                log.error(
-                    "link job %s for %s is gone; its pages were not filled, so the request is failed",
-                    load.job_id,
-                    load.req_id,
-                )
-                continue
-            batch.append(LinkLoad(job, load.block_ids, load.start, load.end))
-        if not batch:
-            return
+            try:
+                job, missing = self._job(load)
+            except Exception as e:  # a store that raises: the request fails, the step goes on
+                log.exception("reading the chunks of %s failed", load.req_id)
+                job, missing = LinkJob(load.token_ids, [], load.link.policy, error=f"{type(e).__name__}: {e}"), []
+            if missing:
+                then = "the request fails" if job.error else "their tokens are recomputed"
+                log.warning("request %s: %d chunk(s) not in the store: %s", load.req_id, len(missing), then)
+            batch.append((load, LinkLoad(job, load.block_ids, load.start, load.end), missing))
         try:
-            self.linker.link_many(batch)
-        except Exception as e:  # never crash the engine step: the engine aborts these requests
+            self.linker.link_many([ld for _, ld, _ in batch if ld.job.error is None])
+        except Exception as e:  # never crash the engine step: these requests are failed
             log.exception("linking a batch of %d requests failed", len(batch))
-            for ld in batch:
+            for _, ld, _ in batch:
                 if ld.job.error is None:
                     ld.job.error = f"{type(e).__name__}: {e}"
+        bs = self.block_size
+        for load, ld, missing in batch:
+            if ld.job.error is not None:
+                self._load_errors.update(load.block_ids[load.start // bs : -(-load.end // bs)])
+                self._step_results[load.req_id] = {"error": ld.job.error}
+            else:
+                self._step_results[load.req_id] = {
+                    "recomputed": ld.job.recomputed,
+                    "linked_spans": len(ld.job.spans),
+                    "missing": missing,
+                }
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker, after the step: blocks this step failed to fill (vLLM fails the requests holding them;
         kv_load_failure_policy "fail", its default). Cleared once reported."""
         failed, self._load_errors = self._load_errors, set()
         return failed
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Worker, after the step: this step's outcomes, for the scheduler side (update_connector_output)."""
+        if not self._step_results:
+            return None
+        meta, self._step_results = EpicWorkerMeta(self._step_results), {}
+        return meta
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Worker, before each attention layer: nothing to wait for (links finish in start_load_kv)."""
@@ -231,25 +374,44 @@ class EpicConnector(KVConnectorBase_V1):
         """Worker, after each attention layer: captures copy whole requests in wait_for_save instead."""
         return
 
+    def _capture_buffer(self, spec: CaptureSpec) -> Capture:
+        cap = self._captures.get(spec.req_id)
+        if cap is None:
+            first = self.linker.attn[0][2]
+            lead = max(spec.compile.lead, 1)
+            shape = (len(self.linker.layers), spec.num_prompt - lead + 1, first.num_kv_heads, first.head_size)
+            dtype = self.linker.cache_of(0).dtype
+            # on the host: records are stored from there (and a GPU's memory is vLLM's)
+            cap = Capture(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype), lead=lead)
+            self._captures[spec.req_id] = cap
+        return cap
+
     def wait_for_save(self) -> None:
-        """Worker, after the step's forward: copy this step's freshly computed KV of compile requests
-        into their captures (the engine stores it once the request finishes)."""
+        """Worker, after the step's forward: copy this step's freshly computed KV of compile requests into
+        their buffers, and store each record once its prompt is complete."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, EpicMeta):
+        if not isinstance(meta, EpicMeta) or not self._attached(meta):
             return
         for spec in meta.captures:
-            cap = BOARD.capture(spec.cap_id)
-            if cap is None:
-                continue
             try:
+                cap = self._capture_buffer(spec)
+                if cap.filled_to != spec.start:
+                    raise RuntimeError(f"capture of {spec.req_id} resumed at {spec.start}, not {cap.filled_to}")
                 for first, stop, at in cap.kept(spec.start, spec.end):
                     self.linker.capture(spec.block_ids, first, stop, cap.k, cap.v, at)
                 if spec.start == 0 and cap.lead > 1:  # the sink's key, rotated to sit right before the chunk
                     cap.k[:, :1] = self.linker.rotator.rotate(cap.k[:, :1], cap.lead - 1).to(cap.k.dtype)
-                cap.filled_to = max(cap.filled_to, spec.end)
+                cap.filled_to = spec.end
+                if spec.end == spec.num_prompt:
+                    self._captures.pop(spec.req_id, None)
+                    key = spec.compile.key_for(self.fingerprint, spec.prompt)
+                    record = spec.compile.record_tokens(spec.prompt)
+                    self.stores.put(ChunkKV(key, record, cap.k, cap.v, cap.lead - 1), glue=spec.compile.glue)
+                    self._step_results[spec.req_id] = {"stored": key}
             except Exception as e:
                 log.exception("capturing %s failed", spec.req_id)
-                cap.error = f"{type(e).__name__}: {e}"
+                self._captures.pop(spec.req_id, None)
+                self._step_results[spec.req_id] = {"error": f"{type(e).__name__}: {e}"}
 
 
 class EpicWorkerExtension:

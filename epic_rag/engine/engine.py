@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import time
 import uuid
@@ -21,12 +22,15 @@ from ..store import ChunkKV, ChunkStore, open_store
 from ..store.checked import KeyCheckedStore
 from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Sampling, Segment
 from . import vllm_api
-from .board import BOARD, LinkJob
 from .chunks import ChunkResolver
-from .request import RequestRun, last_generation
+from .jobs import LinkRequest
+from .request import LinkFailed, RequestRun, last_generation
 from .runtime import POLL_S, STALL_S, Runtime
+from .stores import ChunkStores, new_glue_store, register_local, unregister_local
 
 Request = RagRequest | str | Sequence[Segment] | PreparedRequest
+LINK_RETRIES = 1  # a request whose link failed is run again once, after its chunks were checked
+log = logging.getLogger(__name__)
 
 
 class EpicEngine:
@@ -36,9 +40,16 @@ class EpicEngine:
         self.config = config = config or EngineConfig()
         self.default_policy = parse_policy(config.policy)
         self.model_dir = resolve_model(config.model)
+        if config.multiprocess and not isinstance(config.store, str):
+            raise ValueError("multiprocess=True needs a store spec string: the engine core opens it in its process")
         store = open_store(config.store)
+        # The worker links from and compiles into these (stores.py): the same objects when vLLM's engine
+        # core runs in this process, its own stores opened from the spec when it runs in its own.
+        stores = ChunkStores(store, new_glue_store())
+        self._local = None if config.multiprocess else register_local(stores)
+        extra = {"store": config.store} if config.multiprocess else {"local": self._local}
         self.dtype = vllm_api.prepare_process(config)
-        self._llm = vllm_api.new_llm_engine(str(self.model_dir), self.dtype, config)
+        self._llm = vllm_api.new_llm_engine(str(self.model_dir), self.dtype, config, extra)
         self.kv_info = self._llm.collective_rpc("epic_attach")[0]
         self.tokenizer = self._llm.get_tokenizer()
         self.max_model_len = config.max_model_len
@@ -47,8 +58,11 @@ class EpicEngine:
         fp = kv_fingerprint(
             model_fingerprint(self.model_dir), tokenizer_fingerprint(self.tokenizer), self.kv_info["kv_dtype"]
         )
+        if fp != self.kv_info["fingerprint"]:  # keys made here must name what the worker stores and reads
+            self.shutdown()
+            raise RuntimeError("the engine's and the worker's model/tokenizer fingerprints differ")
         lead = compile_lead(self.tokenizer, config.compile_lead)
-        self.chunks = ChunkResolver(store, self.runtime, self.tokenizer, fp, self.kv_info, self.max_model_len, lead)
+        self.chunks = ChunkResolver(stores, self.runtime, self.tokenizer, fp, self.kv_info, self.max_model_len, lead)
         self.store = store  # read through the key check (see the setter)
         self.runtime.start()
 
@@ -138,49 +152,67 @@ class EpicEngine:
 
     # ------------------------------------------------------------------ generation
     def _start(self, request: Request, sink, **sampling: Unpack[Sampling]) -> RequestRun:
-        """Prepare, resolve chunk KV (compiling misses), post the link job and submit to vLLM."""
+        """Prepare, make sure every chunk is stored (compiling misses) and submit with the link job."""
         t0 = time.perf_counter()
         if isinstance(request, PreparedRequest) and sampling:  # never dropped silently
             raise ValueError(f"{', '.join(sampling)}: give these to prepare(); a PreparedRequest already has them")
         prep = self.prepare(request, **sampling)
-        pol, job, kv_params, hits, misses, keys = prep.policy, None, None, 0, 0, []
+        pol, link, kv_params, hits, misses, keys = prep.policy, None, None, 0, 0, []
         if pol.links_chunks and prep.chunks:
             spans, misses = self.chunks.link_spans(prep.token_ids, prep.chunks, pol)
-            hits, keys = len(prep.chunks) - misses, [s.kv.key for s in spans if not s.exact]
-            job, claim = LinkJob.for_prompt(prep.token_ids, spans, pol)
-            BOARD.post_job(job)
-            kv_params = {"epic": {"link": job.job_id, "claim": claim}}
+            hits, keys = len(prep.chunks) - misses, [s.key for s in spans if not s.exact]
+            link = LinkRequest(pol, self.chunks.sink_token, tuple(spans), on_missing="fail")
+            kv_params = link.to_params()
         salt = "epic-prefix" if pol.kind == "prefix" else uuid.uuid4().hex  # linked KV never reused as exact
-        try:
-            req_id = self.runtime.submit_tokens(
-                prep.token_ids,
-                sink,
-                max_tokens=prep.max_tokens,
-                temperature=prep.temperature,
-                salt=salt,
-                kv_params=kv_params,
-                stop=prep.stop,
-                **prep.options,
-            )
-        except BaseException:
-            if job:
-                BOARD.drop_job(job.job_id)
-            raise
-        return RequestRun(self.runtime, req_id, prep, job, t0, hits, misses, keys)
+        req_id = self.runtime.submit_tokens(
+            prep.token_ids,
+            sink,
+            max_tokens=prep.max_tokens,
+            temperature=prep.temperature,
+            salt=salt,
+            kv_params=kv_params,
+            stop=prep.stop,
+            **prep.options,
+        )
+        return RequestRun(self.runtime, req_id, prep, link, t0, hits, misses, keys, on_missing=self.chunks.forget)
 
     def stream_events(self, request: Request, **sampling: Unpack[Sampling]) -> Iterator[Delta | Generation]:
-        """Yield each text delta as it is produced, then the final Generation."""
-        box: queue.SimpleQueue = queue.SimpleQueue()
-        run = self._start(request, box.put, **sampling)
-        try:
-            while not run.done:
-                yield from run.consume(self.runtime.poll(lambda t: box.get(timeout=t)))
-        except BaseException:  # includes GeneratorExit: the consumer went away
-            run.cancel()
-            raise
+        """Yield each text delta as it is produced, then the final Generation. A request whose link failed
+        (before any token) is run once more after its chunks were checked and, where needed, recompiled."""
+        for attempt in range(1 + LINK_RETRIES):
+            box: queue.SimpleQueue = queue.SimpleQueue()
+            run = self._start(request, box.put, **sampling)
+            try:
+                while not run.done:
+                    yield from run.consume(self.runtime.poll(lambda t: box.get(timeout=t)))
+                return
+            except LinkFailed:
+                if attempt == LINK_RETRIES:
+                    raise
+                self._recheck(run)
+            except BaseException:  # includes GeneratorExit: the consumer went away
+                run.cancel()
+                raise
+
+    def _recheck(self, run: RequestRun) -> None:
+        """After a failed link: its records are read and checked again before the retry (the worker logged
+        which it did not find: evicted, damaged, or misfiled ones are recompiled then)."""
+        log.warning("request %s: its link failed; checking its chunks and retrying once", run.req_id)
+        self.chunks.forget([s.key for s in run.link.spans])
 
     async def astream_events(self, request: Request, **sampling: Unpack[Sampling]):
         """Async form of stream_events: deltas, then the Generation. Cancelling aborts the request."""
+        for attempt in range(1 + LINK_RETRIES):
+            try:
+                async for ev in self._astream_once(request, **sampling):
+                    yield ev
+                return
+            except LinkFailed as e:
+                if attempt == LINK_RETRIES:
+                    raise
+                self._recheck(e.run)
+
+    async def _astream_once(self, request: Request, **sampling: Unpack[Sampling]):
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
@@ -210,6 +242,8 @@ class EpicEngine:
                 stalled = 0.0
                 for ev in run.consume(item):
                     yield ev
+        except LinkFailed:
+            raise
         except BaseException:  # includes cancellation: the client went away
             run.cancel()
             raise
@@ -238,4 +272,7 @@ class EpicEngine:
                 yield ev.text
 
     def shutdown(self) -> None:
-        self.runtime.shutdown()
+        if getattr(self, "runtime", None) is not None:
+            self.runtime.shutdown()
+        if self._local is not None:
+            unregister_local(self._local)

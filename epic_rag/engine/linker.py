@@ -30,7 +30,7 @@ import torch
 
 from ..policy import Policy
 from . import vllm_api
-from .board import LinkJob
+from .jobs import LinkJob
 from .layout import KVLayout
 from .rope import KeyRotator
 
@@ -262,7 +262,7 @@ class Linker:
 
     @staticmethod
     def _fail(job: LinkJob, e: Exception) -> None:
-        log.error("link job %s failed before its batch ran: %s: %s", job.job_id, type(e).__name__, e, exc_info=e)
+        log.error("a link failed before its batch ran: %s: %s", type(e).__name__, e, exc_info=e)
         job.error = f"{type(e).__name__}: {e}"
 
     def _check(self, load: LinkLoad, device) -> _Seq:

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..types import Delta, Generation, PreparedRequest
 from . import vllm_api
-from .board import BOARD, LinkJob
+from .jobs import LinkRequest, planned_recompute
 from .runtime import Runtime
 
 log = logging.getLogger(__name__)
+
+
+class LinkFailed(RuntimeError):
+    """vLLM failed a linked request before its first token (its link could not be made)."""
+
+    def __init__(self, msg: str, run: RequestRun) -> None:
+        super().__init__(msg)
+        self.run = run
 
 
 def last_generation(events: Iterator[Delta | Generation]) -> Generation:
@@ -24,16 +32,18 @@ def last_generation(events: Iterator[Delta | Generation]) -> Generation:
 
 @dataclass
 class RequestRun:
-    """One submitted request: accumulates its deltas, checks the link outcome, builds the Generation."""
+    """One submitted request: accumulates its deltas, reads the link's outcome, builds the Generation."""
 
     runtime: Runtime
     req_id: str
     prep: PreparedRequest
-    job: LinkJob | None
+    link: LinkRequest | None
     t0: float
     hits: int
     misses: int
     chunk_keys: list[str]
+    on_missing: Callable[[Sequence[str]], None] = lambda keys: None  # keys a link did not find
+    outcome: dict | None = None  # the connector's report for a link (connector.request_finished)
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     t_first: float | None = None
@@ -44,16 +54,14 @@ class RequestRun:
 
     def consume(self, d: Delta | BaseException) -> Iterator[Delta | Generation]:
         """Take one delta from the runtime: yields it when it carries text, then the Generation when the
-        request finished. Raises the engine's error, or a link failure before any token of a wrongly
-        linked answer is passed on."""
+        request finished. Raises the engine's error; a failed link fails the request in vLLM before any
+        token of it is produced."""
         if isinstance(d, vllm_api.refused_request_error()):  # bad input (e.g. a schema no grammar takes)
             raise ValueError(f"vLLM refused the request: {d}") from d
         if isinstance(d, BaseException):
             raise d
         if d.token_ids and self.t_first is None:
             self.t_first, self.cached = d.t, d.cached_tokens
-            if self.job is not None and self.job.error:
-                raise RuntimeError(f"linking failed, answer discarded: {self.job.error}")
         self.text.append(d.text)
         self.token_ids += d.token_ids
         if d.logprobs is not None:
@@ -65,24 +73,38 @@ class RequestRun:
             yield d
         if d.finished:
             self.finish, self.done = d.finish_reason, True
+            p = (d.kv_transfer_params or {}).get("epic")
+            self.outcome = p if isinstance(p, dict) else None
             if d.finish_reason == "error":  # vLLM failed it (e.g. the connector could not fill its pages)
-                if self.job is not None:
-                    BOARD.drop_job(self.job.job_id)
-                raise RuntimeError(f"the engine failed request {self.req_id} (vLLM finish reason 'error')")
+                # vLLM ends a request whose link failed in that step, before the worker's report reaches it:
+                # the cause is in the engine's log
+                msg = f"the engine failed request {self.req_id} (vLLM finish reason 'error')"
+                if self.link is not None and not self.token_ids:
+                    raise LinkFailed(msg, self)
+                raise RuntimeError(msg)
             yield self.result()
 
     def cancel(self) -> None:
         self.runtime.abort(self.req_id)
-        if self.job is not None:
-            BOARD.drop_job(self.job.job_id)
+
+    def _link_recomputed(self, n: int) -> int:
+        """Prompt tokens recomputed by a linked request: the worker's count when it reached us (a request
+        that ends in its first step has none: then the plan's count, what the linker recomputes when every
+        record is found), plus the tail after the claim."""
+        claim, spans = self.link.claimed(n)
+        out = self.outcome or {}
+        if out.get("missing"):
+            self.on_missing(out["missing"])
+        if isinstance(out.get("recomputed"), int):
+            linked = out["recomputed"]
+        else:
+            linked = planned_recompute(claim, [(s.start, s.n, s.exact) for s in spans], self.link.policy)
+        return linked + (n - claim)
 
     def result(self) -> Generation:
-        n, job = len(self.prep.token_ids), self.job
-        if job is not None:
-            BOARD.drop_job(job.job_id)
-            if job.error:
-                raise RuntimeError(f"linking failed, answer discarded: {job.error}")
-            recomputed = job.recomputed + (n - len(job.token_ids))
+        n, link = len(self.prep.token_ids), self.link
+        if link is not None:
+            recomputed = self._link_recomputed(n)
         else:
             recomputed = n - (self.cached or 0)  # `prefix`: vLLM's own prefix-cache hits are not recomputed
         if self.prep.policy.links_chunks and not self.prep.chunks:
@@ -104,6 +126,6 @@ class RequestRun:
             policy=self.prep.policy.name,
             finish_reason=self.finish,
             chunk_keys=self.chunk_keys,
-            prefix_cached_tokens=0 if job is not None else (self.cached or 0),
+            prefix_cached_tokens=0 if link is not None else (self.cached or 0),
             logprobs=self.logprobs,
         )

@@ -209,6 +209,7 @@ class Runtime:
                 t=now,
                 cached_tokens=getattr(out, "num_cached_tokens", None),
                 logprobs=None if lps is None else vllm_api.token_logprobs(lps, list(c.token_ids), self._decode),
+                kv_transfer_params=getattr(out, "kv_transfer_params", None) if out.finished else None,
             )
             if out.finished:
                 del self._sinks[rid]

