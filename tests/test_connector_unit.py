@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from epic_rag.engine import connector as conn
+from epic_rag.engine.finder import ANCHOR, ChunkFinder
 from epic_rag.engine.jobs import LinkRequest, SpanRef
 from epic_rag.engine.stores import ChunkStores
 from epic_rag.engine.support import LinkUnsupported
@@ -44,10 +45,17 @@ def _stores(*records: ChunkKV) -> ChunkStores:
     return ChunkStores(chunks, MemoryStore())
 
 
+def _scheduler(find: str | None = None) -> conn.EpicConnector:
+    c = object.__new__(conn.EpicConnector)  # the scheduler-side state, without a vLLM config
+    c._results, c._active, c._finished, c._parsed = {}, {}, [], {}
+    c.find_policy, c.finder = (parse_policy(find) if find else None), ChunkFinder()
+    return c
+
+
 def _worker(meta: conn.EpicMeta, stores: ChunkStores, block_size: int = 4) -> conn.EpicConnector:
     c = object.__new__(conn.EpicConnector)  # the worker-side state start_load_kv uses, without a vLLM config
     c.block_size, c.linker, c.stores = block_size, _Linker(), stores
-    c._load_errors, c._step_results, c._captures = set(), {}, {}
+    c._load_errors, c._step_results, c._captures, c._learned = set(), {}, {}, {}
     c._get_connector_metadata = lambda: meta
     return c
 
@@ -138,8 +146,7 @@ def test_a_store_that_raises_fails_only_the_request_it_was_reading_for():
 def test_a_malformed_link_is_refused_by_name_and_the_request_runs_as_a_plain_prefill(link, why):
     with pytest.raises(ValueError, match=why):
         LinkRequest.from_params(link, 11)
-    c = object.__new__(conn.EpicConnector)
-    c._results, c._active, c._finished = {}, {}, []
+    c = _scheduler()
     req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, kv_transfer_params={"epic": {"link": link}})
     assert c.get_num_new_matched_tokens(req, 0) == (0, False)
     c.update_state_after_alloc(req, None, 0)
@@ -149,8 +156,7 @@ def test_a_malformed_link_is_refused_by_name_and_the_request_runs_as_a_plain_pre
 
 
 def test_the_worker_outcome_reaches_the_request_end_and_nothing_is_kept_for_ended_requests():
-    c = object.__new__(conn.EpicConnector)
-    c._results, c._active, c._finished = {}, {}, []
+    c = _scheduler()
     link = {"policy": "legolink-2", "sink": SINK, "spans": [list(s) for s in SPANS]}
     req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, kv_transfer_params={"epic": {"link": link}})
     assert c.get_num_new_matched_tokens(req, 0) == (9, False)  # both chunks claimed
@@ -186,3 +192,40 @@ def test_attach_refuses_an_unsupported_configuration_before_building_the_linker(
     with pytest.raises(LinkUnsupported, match="kv_cache_dtype='fp8'"):
         c.attach(model)
     assert c.linker is None
+
+
+def test_the_finder_finds_known_chunks_in_a_prompts_tokens_token_for_token():
+    f = ChunkFinder()
+    a, b = list(range(100, 100 + ANCHOR + 4)), list(range(300, 300 + ANCHOR + 9))
+    a_longer = a + [7, 7]  # starts like a: the longest match wins where both fit
+    f.add("sink1-a", a)
+    f.add("sink1-al", a_longer)
+    f.add("sink1-b", b)
+    f.add("sink1-short", [1] * (ANCHOR - 1))  # too short to index
+    prompt = [5, 6] + b + [9] + a + [8] + a_longer + a[:-1]  # the last one cut: not a match
+    spans = f.find(prompt)
+    assert [(s.key, s.offset, s.start, s.n) for s in spans] == [
+        ("sink1-b", SINK, 2, len(b)),
+        ("sink1-a", SINK, 3 + len(b), len(a)),
+        ("sink1-al", SINK, 4 + len(b) + len(a), len(a_longer)),
+    ]
+    assert f.find([5] * 40) == [] and len(f) == 3
+
+
+def test_a_request_naming_no_spans_links_the_chunks_found_in_it_unless_it_opts_out():
+    c = _scheduler(find="legolink-0")
+    chunk = list(range(100, 100 + ANCHOR + 4))
+    meta = conn.EpicWorkerMeta({}, {"sink1-a": chunk})
+    c.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))  # learned from a compile
+    prompt = [5, 6] + chunk + [9, 10]
+    plain = SimpleNamespace(request_id="p", prompt_token_ids=prompt, kv_transfer_params=None)
+    assert c.get_num_new_matched_tokens(plain, 0) == (2 + len(chunk), False)
+    link, _ = c._parse(plain)
+    assert link.policy.name == "legolink-0" and [s.key for s in link.spans] == ["sink1-a"]
+    opted_out = SimpleNamespace(request_id="o", prompt_token_ids=prompt, kv_transfer_params={"epic": {"find": False}})
+    assert c.get_num_new_matched_tokens(opted_out, 0) == (0, False)
+    other = SimpleNamespace(request_id="x", prompt_token_ids=prompt, kv_transfer_params={"epic": {"find": "naive"}})
+    assert c._parse(other)[0].policy.name == "naive"
+    for r in (plain, opted_out, other):
+        c.request_finished(r, [])
+    assert c._parsed == {}

@@ -1,6 +1,7 @@
 """EpicConnector inside stock `vllm serve` (vLLM's own OpenAI server, its engine core in its own process),
 driven with the `openai` client: chunks are compiled through the server with the documented request form,
-then linked in shuffled order by naming their spans in `kv_transfer_params`. On the one-layer tiny model a
+then linked in shuffled order by naming their spans in `kv_transfer_params`, and found by the server in a prompt
+that names nothing. On the one-layer tiny model a
 linked chunk's KV is exact when it is right, so `legolink-0` (nothing recomputed) and `legolink-9999` must
 answer exactly like the plain prompt, and the response must report every span linked."""
 
@@ -42,7 +43,7 @@ def server(tmp_path_factory):
         "kv_connector": "EpicConnector",
         "kv_connector_module_path": "epic_rag.engine.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"store": "memory"},
+        "kv_connector_extra_config": {"store": "memory", "find_chunks": "legolink-0"},
     }
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
@@ -106,12 +107,15 @@ def test_vllm_serve_with_epic_connector_compiles_and_links_shuffled_chunks_like_
         spans.append([keys[i], 0, len(prompt), 1 + len(chunk_ids[i]), False])
         prompt += [sink] + chunk_ids[i]
     prompt += question
-    plain, _ = _complete(client, prompt, 12)
+    plain, _ = _complete(client, prompt, 12, {"epic": {"find": False}})  # computed without linking
     for policy in ("legolink-9999", "legolink-0"):
         link = {"epic": {"link": {"policy": policy, "sink": sink, "spans": spans}}}
         linked, params = _complete(client, prompt, 12, link)
         assert linked == plain, policy  # token for token
         assert params["epic"]["linked_spans"] == len(CHUNKS) and params["epic"]["missing"] == [], params
+    # a prompt that names nothing: the server finds the compiled chunks in its tokens and links them
+    found, params = _complete(client, prompt, 12)
+    assert found == plain and params["epic"]["linked_spans"] == len(CHUNKS), params
     # a span naming a record that was never compiled is recomputed: still the plain answer, reported missing
     bad = [list(s) for s in spans]
     bad[1][0] = "sink1-" + "0" * 40
@@ -119,6 +123,6 @@ def test_vllm_serve_with_epic_connector_compiles_and_links_shuffled_chunks_like_
         client, prompt, 12, {"epic": {"link": {"policy": "legolink-0", "sink": sink, "spans": bad}}}
     )
     assert linked == plain and params["epic"]["missing"] == [bad[1][0]], params
-    # a malformed link is refused by name and the request is computed as a plain prompt
+    # a malformed link is refused by name and the request is computed without linking
     linked, params = _complete(client, prompt, 12, {"epic": {"link": {"policy": "legolink-0", "spans": []}}})
     assert linked == plain and "spans must be a non-empty list" in params["epic"]["error"], params

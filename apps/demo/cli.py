@@ -64,6 +64,11 @@ def register(subparsers) -> None:
     d.add_argument("--chunk-tokens", type=int, default=256)
     d.add_argument("--max-model-len", type=int, default=8192)
     d.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="run vLLM's engine core (and the linker) in its own process, as `vllm serve` does",
+    )
+    d.add_argument(
         "--no-browser-needed",
         action="store_true",
         help="do not open the page in a web browser (servers, CI, API-only use)",
@@ -92,6 +97,7 @@ def _config(args):
         top_k=args.top_k,
         chunk_tokens=args.chunk_tokens,
         max_model_len=args.max_model_len,
+        multiprocess=args.multiprocess,
     )
 
 
@@ -137,7 +143,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"epic-rag demo: {e}", file=sys.stderr)
         return 2
 
-    from .config import open_demo_store
+    from .config import demo_store_spec, open_demo_store
     from .server import BackgroundServer, create_app
 
     app = create_app(engine=None, config=cfg)
@@ -160,9 +166,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         from epic_rag import EpicEngine
 
-        store = open_demo_store(cfg.store_spec)
+        # with the engine core in its own process, that process opens the store from its spec
+        store = demo_store_spec(cfg.store_spec) if cfg.multiprocess else open_demo_store(cfg.store_spec)
         engine = EpicEngine(
-            EngineConfig(model=cfg.model, policy=cfg.policy, store=store, max_model_len=cfg.max_model_len)
+            EngineConfig(
+                model=cfg.model,
+                policy=cfg.policy,
+                store=store,
+                max_model_len=cfg.max_model_len,
+                multiprocess=cfg.multiprocess,
+            )
         )
         print(
             f"engine ready in {time.perf_counter() - t0:.1f}s (store {type(engine.store).__name__}); "

@@ -47,6 +47,7 @@ class DemoConfig:
     max_body_bytes: int = 1 << 20  # JSON bodies
     max_upload_bytes: int = 10 << 20  # one uploaded document
     max_model_len: int = 8192
+    multiprocess: bool = False  # vLLM's engine core in its own process (EngineConfig.multiprocess)
     max_inflight: int = 16  # chat completions generating at once
     max_queued: int = 64  # more waiting for a slot; beyond that 429 + Retry-After
     parse_cpu_s: int = 20  # CPU seconds one HTML/PDF extraction may use (in its worker process)
@@ -113,17 +114,37 @@ class DemoConfig:
         return Path(self.model).name if os.sep in self.model else self.model
 
 
+def demo_store_spec(spec: str) -> str:
+    """The spec to hand an engine whose core opens the store in its own process: `spec` when it opens here,
+    else "memory" (with open_demo_store's warning)."""
+    from epic_rag.store import open_store
+
+    try:
+        open_store(spec).close()
+        return spec
+    except _STORE_ERRORS as e:
+        _fell_back(spec, e)
+        return "memory"
+
+
 def open_demo_store(spec: str):
     """Open the chunk store; a spec the store layer rejects falls back to memory with a warning."""
     from epic_rag.store import open_store
 
     try:
         return open_store(spec)
-    except (ValueError, OSError, ImportError, ConnectionError) as e:
-        log.warning(  # redacted: a Redis spec may carry its password
-            "chunk store %r is not available (%s); using the memory store instead, so compiled "
-            "chunks will not survive a restart",
-            redact(spec),
-            redact(e),
-        )
+    except _STORE_ERRORS as e:
+        _fell_back(spec, e)
         return open_store("memory")
+
+
+_STORE_ERRORS = (ValueError, OSError, ImportError, ConnectionError)
+
+
+def _fell_back(spec: str, e: Exception) -> None:
+    log.warning(  # redacted: a Redis spec may carry its password
+        "chunk store %r is not available (%s); using the memory store instead, so compiled "
+        "chunks will not survive a restart",
+        redact(spec),
+        redact(e),
+    )

@@ -564,7 +564,7 @@ def cmd_soak(args) -> int:
     questions = [(n, q, a) for n, (_, q, a) in docs.items()]
     note = _load_note()
     t0 = time.monotonic()
-    server = DemoProcess(work / "corpus", work / "data")
+    server = DemoProcess(work / "corpus", work / "data", extra_args=args.demo_arg)
     try:
         st = server.wait_ready()
         ingest_s = time.monotonic() - t0
@@ -827,6 +827,12 @@ def main(argv: list[str] | None = None) -> int:
         "(default 512)",
     )
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--demo-arg",
+        action="append",
+        default=[],
+        help="an extra `epic-rag demo` argument (repeatable), e.g. --demo-arg=--multiprocess",
+    )
     s.add_argument("--out", default=str(DEFAULT_OUT))
     s.set_defaults(func=cmd_soak)
     f = sub.add_parser("fuzz", help="schemathesis against epic-rag demo's OpenAPI schema")

@@ -1,4 +1,4 @@
-"""`epic-rag bench {link,store,accuracy,sync,load,scaling,all,report}` with `--quick` for CI smoke tests.
+"""`epic-rag bench {link,store,accuracy,sync,load,scaling,serve,all,report}` with `--quick` for CI smoke tests.
 
 Every part writes `<out>/<part>.json` and Markdown into `--out` (default docs/bench for SmolLM2,
 docs/bench/qwen for Qwen2.5-Coder-0.5B): link.md, store.md, load.md (+ throughput_vs_rate.png,
@@ -55,6 +55,11 @@ def run(args: argparse.Namespace, engine=None) -> Path:
 
     out = Path(args.out) if args.out else default_out(args.model)
     what = ALIASES.get(args.what, args.what)
+    if what == "serve":  # runs its own engines and server, one per process
+        from . import serve
+
+        serve.run(out, args.model, serve.QUICK_SETTINGS if args.quick else None)
+        return out / "serve.md"
     parts = PARTS if what == "all" else [what]
     own = engine is None
     if own:
@@ -134,10 +139,11 @@ def run(args: argparse.Namespace, engine=None) -> Path:
 def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "what",
-        choices=[*PARTS, *ALIASES, "all", "report"],
+        choices=[*PARTS, *ALIASES, "serve", "all", "report"],
         nargs="?",
         default="all",
-        help="all: every part; report: rewrite README.md from the results in --out",
+        help="all: every part but serve; serve: the embedded engine vs its core in its own process vs "
+        "`vllm serve` (serve.md); report: rewrite README.md from the results in --out",
     )
     b.add_argument("--quick", action="store_true", help="tiny settings: a smoke test of the harness")
     b.add_argument(

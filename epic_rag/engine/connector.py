@@ -30,13 +30,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from ..policy import SINK_LEN, Policy, parse_policy
 from ..store import ChunkKV
 from . import rope, vllm_api
+from .finder import ChunkFinder
 from .jobs import Capture, CompileRequest, LinkJob, LinkRequest, LinkSpan, epic_params
 from .layout import layout_for
 from .linker import WORKSPACE_PROMPTS, Linker, LinkLoad
 from .stores import ChunkStores, worker_stores
-from .support import check_supported
+from .support import check_parallelism, check_supported
 
 log = logging.getLogger(__name__)
 _INSTANCES: weakref.WeakSet = weakref.WeakSet()
@@ -45,7 +47,9 @@ _INSTANCES: weakref.WeakSet = weakref.WeakSet()
 def pending() -> int:
     """Requests the connectors of this process still hold state for (both roles; 0 when nothing is in
     flight): a check that finished and aborted requests leave nothing behind."""
-    return sum(len(c._active) + len(c._results) + len(c._captures) + len(c._step_results) for c in _INSTANCES)
+    return sum(
+        len(c._active) + len(c._results) + len(c._parsed) + len(c._captures) + len(c._step_results) for c in _INSTANCES
+    )
 
 
 @dataclass(slots=True)
@@ -81,9 +85,11 @@ class EpicWorkerMeta(KVConnectorWorkerMetadata):
     """Outcomes of this step's links and compiles, by request id (jobs.py documents the forms)."""
 
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    learned: dict[str, list[int]] = field(default_factory=dict)  # chunk records stored: key -> chunk tokens
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, EpicWorkerMeta):
+            self.learned.update(other.learned)
             for req_id, r in other.results.items():  # tensor-parallel ranks: an error on any rank wins
                 if "error" in r or req_id not in self.results:
                     self.results[req_id] = r
@@ -102,6 +108,7 @@ class _ReqState:
 class EpicConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_parallelism(vllm_config.parallel_config)
         self.block_size = vllm_config.cache_config.block_size
         self.extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
         # prompt tokens one batched link pass holds (the linker's workspace; vllm_api.gpu_memory_share counts it)
@@ -110,6 +117,12 @@ class EpicConnector(KVConnectorBase_V1):
         # scheduler side
         self._active: dict[str, _ReqState] = {}
         self._results: dict[str, dict[str, Any]] = {}  # worker outcomes (and refusals) until the request ends
+        self._parsed: dict[str, tuple[LinkRequest | None, CompileRequest | None]] = {}
+        # Requests that name no spans have compiled chunks found in their tokens and linked under this policy
+        # (kv_connector_extra_config "find_chunks"; unset: they are not looked at).
+        find = self.extra.get("find_chunks")
+        self.find_policy = parse_policy(find) if find else None
+        self.finder = ChunkFinder()
         self._finished: list[str] = []
         self._kvm = None
         # worker side
@@ -121,6 +134,7 @@ class EpicConnector(KVConnectorBase_V1):
         self._refusal: str | None = None  # why attaching on first use failed
         self._runner = None  # the model runner that registered the caches
         self._step_results: dict[str, dict[str, Any]] = {}
+        self._learned: dict[str, list[int]] = {}  # chunk records stored this step: key -> chunk tokens
         self._load_errors: set[int] = set()  # blocks whose claimed KV was not written this step
         _INSTANCES.add(self)
 
@@ -130,22 +144,43 @@ class EpicConnector(KVConnectorBase_V1):
         self._kvm = kv_cache_manager
 
     def _parse(self, request) -> tuple[LinkRequest | None, CompileRequest | None]:
-        """The request's link or compile; one that does not parse is refused here (logged, its reason
-        returned at its end) and the request runs as a plain prefill."""
+        """The request's link or compile (once per request). A request without one, or with
+        {"epic": {"find": policy | false}}, links the compiled chunks found in its tokens under that policy
+        (default: "find_chunks"). One that does not parse is refused here (logged, its reason returned at its
+        end) and the request runs as a plain prefill."""
+        req_id = request.request_id
+        if req_id not in self._parsed:
+            self._parsed[req_id] = self._parse_new(request)
+        return self._parsed[req_id]
+
+    def _parse_new(self, request) -> tuple[LinkRequest | None, CompileRequest | None]:
         p = epic_params(getattr(request, "kv_transfer_params", None))
-        if not p:
-            return None, None
-        n = len(request.prompt_token_ids or [])
+        prompt = request.prompt_token_ids or []
         try:
+            if p is None or "find" in p:
+                return self._found(prompt, self.find_policy if p is None else p["find"]), None
             if "link" in p:
-                return LinkRequest.from_params(p["link"], n), None
+                return LinkRequest.from_params(p["link"], len(prompt)), None
             if "compile" in p:
-                return None, CompileRequest.from_params(p["compile"], n)
-            raise ValueError(f"epic: expected 'link' or 'compile', got {sorted(p)}")
+                return None, CompileRequest.from_params(p["compile"], len(prompt))
+            raise ValueError(f"epic: expected 'link', 'compile' or 'find', got {sorted(p)}")
         except ValueError as e:
             log.warning("request %s: %s; computed without linking", request.request_id, e)
             self._results[request.request_id] = {"error": str(e)}
             return None, None
+
+    def _found(self, prompt: list[int], policy) -> LinkRequest | None:
+        """A link of the compiled chunks found in `prompt` (finder.py) under `policy`; None: nothing to link."""
+        if policy is None or policy is False or not len(self.finder) or len(prompt) < 2:
+            return None
+        if isinstance(policy, str):
+            policy = parse_policy(policy)
+        elif not isinstance(policy, Policy):
+            raise ValueError(f"epic find: expected a policy name or false, got {policy!r}")
+        if not policy.links_chunks:
+            raise ValueError(f"epic find: policy {policy.name} links no chunks")
+        spans = self.finder.find(prompt)
+        return LinkRequest(policy, None, tuple(spans)) if spans else None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Scheduler, when a waiting request is considered: how many prompt tokens beyond
@@ -202,11 +237,14 @@ class EpicConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, EpicWorkerMeta):
             self._results.update({r: v for r, v in meta.results.items() if r in self._active})
+            for key, tokens in meta.learned.items():
+                self.finder.add(key, tokens)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, when a request finishes or is aborted: forget it, returning the worker's outcome in
         its kv_transfer_params (a link's counts arrive one step after the link: a request that finishes in
         its first step has none). Its blocks are freed at once (nothing is saved asynchronously)."""
+        self._parsed.pop(request.request_id, None)
         if self._active.pop(request.request_id, None) is not None:
             self._finished.append(request.request_id)
         result = self._results.pop(request.request_id, None)
@@ -361,9 +399,10 @@ class EpicConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """Worker, after the step: this step's outcomes, for the scheduler side (update_connector_output)."""
-        if not self._step_results:
+        if not self._step_results and not self._learned:
             return None
-        meta, self._step_results = EpicWorkerMeta(self._step_results), {}
+        meta = EpicWorkerMeta(self._step_results, self._learned)
+        self._step_results, self._learned = {}, {}
         return meta
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -408,6 +447,8 @@ class EpicConnector(KVConnectorBase_V1):
                     record = spec.compile.record_tokens(spec.prompt)
                     self.stores.put(ChunkKV(key, record, cap.k, cap.v, cap.lead - 1), glue=spec.compile.glue)
                     self._step_results[spec.req_id] = {"stored": key}
+                    if spec.compile.lead > 0 and not spec.compile.glue:  # a chunk behind a lead: findable
+                        self._learned[key] = record[SINK_LEN:]
             except Exception as e:
                 log.exception("capturing %s failed", spec.req_id)
                 self._captures.pop(spec.req_id, None)

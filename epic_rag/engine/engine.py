@@ -18,7 +18,7 @@ from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
 from ..policy import SINK_LEN, parse_policy
 from ..prompt import assemble, compile_lead, encode_glue, render_messages, to_segments
 from ..sampling import check_sampling_options
-from ..store import ChunkKV, ChunkStore, open_store
+from ..store import ChunkKV, ChunkStore, open_shared_tiers, open_store
 from ..store.checked import KeyCheckedStore
 from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Sampling, Segment
 from . import vllm_api
@@ -42,9 +42,10 @@ class EpicEngine:
         self.model_dir = resolve_model(config.model)
         if config.multiprocess and not isinstance(config.store, str):
             raise ValueError("multiprocess=True needs a store spec string: the engine core opens it in its process")
-        store = open_store(config.store)
         # The worker links from and compiles into these (stores.py): the same objects when vLLM's engine
-        # core runs in this process, its own stores opened from the spec when it runs in its own.
+        # core runs in this process, its own stores opened from the spec when it runs in its own; then this
+        # process only looks entries up in the shared tiers, keeping no copies.
+        store = open_shared_tiers(config.store) if config.multiprocess else open_store(config.store)
         stores = ChunkStores(store, new_glue_store())
         self._local = None if config.multiprocess else register_local(stores)
         extra = {"store": config.store} if config.multiprocess else {"local": self._local}

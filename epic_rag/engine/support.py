@@ -208,3 +208,16 @@ def _check_rotaries(rotaries: Sequence[torch.nn.Module | None]) -> None:
                 f"or has another cos/sin table (rope theta or scaling): per-layer RoPE settings are not supported, "
                 f"one key rotator built from layer 0 serves every layer"
             )
+
+
+def check_parallelism(parallel_config) -> None:
+    """Refuse tensor and pipeline parallelism: a rank holds a shard of every layer's KV heads (or only some
+    layers), but chunk records are keyed and linked as whole-model KV, so ranks would overwrite each other's
+    records under one key. Not built (and vLLM's CPU build was not run with TP here)."""
+    tp = getattr(parallel_config, "tensor_parallel_size", 1)
+    pp = getattr(parallel_config, "pipeline_parallel_size", 1)
+    if tp != 1 or pp != 1:
+        raise LinkUnsupported(
+            f"EpicConnector does not support tensor_parallel_size={tp} / pipeline_parallel_size={pp}: "
+            "chunk records hold a whole model's KV; run one engine per device (replicas share a Redis store)"
+        )

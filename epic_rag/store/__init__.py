@@ -62,6 +62,17 @@ def open_store(spec: "str | ChunkStore") -> ChunkStore:
     return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
 
 
+def open_shared_tiers(spec: str) -> ChunkStore:
+    """The spec's shared tiers only (disk, Redis), for a process that looks entries up but does not keep them
+    (memory tiers belong to the process that links); a memory store that holds nothing when the spec has none."""
+    from .spec import build_tier, parse_spec
+
+    tiers = [build_tier(t) for t in parse_spec(spec) if t.kind != "memory"]
+    if not tiers:
+        return MemoryStore(max_bytes=1)  # holds nothing: every record is larger
+    return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
+
+
 def __getattr__(name: str):
     if name == "RedisStore":  # imports redis-py only when asked for
         from .redis_tier import RedisStore
@@ -83,4 +94,5 @@ __all__ = [
     "TieredStore",
     "KeyCheckedStore",
     "open_store",
+    "open_shared_tiers",
 ]
