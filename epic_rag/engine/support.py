@@ -213,7 +213,7 @@ def _check_rotaries(rotaries: Sequence[torch.nn.Module | None]) -> None:
 def check_parallelism(parallel_config) -> None:
     """Refuse tensor and pipeline parallelism: a rank holds a shard of every layer's KV heads (or only some
     layers), but chunk records are keyed and linked as whole-model KV, so ranks would overwrite each other's
-    records under one key. Not built (and vLLM's CPU build was not run with TP here)."""
+    records under one key. Not built."""
     tp = getattr(parallel_config, "tensor_parallel_size", 1)
     pp = getattr(parallel_config, "pipeline_parallel_size", 1)
     if tp != 1 or pp != 1:
