@@ -141,6 +141,7 @@ def test_a_store_that_raises_fails_only_the_request_it_was_reading_for():
         ({"policy": "legolink-2", "spans": [["k", 0, 4, 2, False], ["j", 0, 5, 1, False]]}, "overlaps"),
         ({"policy": "legolink-2", "spans": [["k", 0, 8, 9, False]]}, "past the prompt"),
         ({"policy": "nope", "spans": [["k", 0, 0, 2, False]]}, "unknown policy"),
+        ({"policy": "legolink-2", "spans": [["../../etc/passwd", 0, 0, 2, False]]}, "invalid chunk key"),
     ],
 )
 def test_a_malformed_link_is_refused_by_name_and_the_request_runs_as_a_plain_prefill(link, why):

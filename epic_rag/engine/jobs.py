@@ -32,6 +32,7 @@ import torch
 from ..keys import chunk_key, compile_variant
 from ..policy import Policy, parse_policy
 from ..store import ChunkKV
+from ..store.base import check_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,7 @@ class LinkRequest:
             ok = ok and all(isinstance(x, int) and not isinstance(x, bool) for x in s[1:4]) and isinstance(s[4], bool)
             if not ok:
                 raise ValueError(f"epic link: a span is [key, offset, start, n, exact], got {s!r}")
+            check_key(s[0])  # names a file or a Redis key: refused here, never looked up
             span = SpanRef(*s)
             if span.offset < 0 or span.n < 1 or span.start < end:
                 raise ValueError(f"epic link: span {s!r} overlaps the one before or is empty")
@@ -140,6 +142,8 @@ class CompileRequest:
             raise ValueError("epic compile: glue must be a boolean")
         if key is None and glue:
             raise ValueError("epic compile: glue compiles name their key")
+        if key is not None:
+            check_key(key)
         return cls(key, lead, glue)
 
     def key_for(self, fingerprint: str, prompt: list[int]) -> str:
