@@ -36,9 +36,14 @@ class EngineConfig:
     # Run vLLM's engine core (scheduler, model, linker) in its own process, as `vllm serve` does: the caller's
     # threads then never share a GIL with the forward. Needs `store` as a spec string (the core opens it).
     multiprocess: bool = False
+    # Shard the model over this many workers (vLLM's tensor parallelism; each rank stores and links its own
+    # KV heads). Workers are separate processes: `store` must be a spec string.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         parse_policy(self.policy)
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.compile_lead not in ("template", "sink"):
             raise ValueError(f"compile_lead must be 'template' or 'sink', got {self.compile_lead!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

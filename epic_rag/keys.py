@@ -36,9 +36,11 @@ def compile_variant(lead: Sequence[int]) -> str:
 
 def record_key(fingerprint: str, kv) -> str:
     """The key a stored record's own tokens hash to under `fingerprint`: a chunk record (any variant but
-    "plain") holds its sink token(s) before the chunk's tokens, which are not part of its key."""
+    "plain") holds its sink token(s) before the chunk's tokens, which are not part of its key. A tensor-
+    parallel rank's record keeps its rank suffix (".tp<size>r<rank>")."""
     from .policy import SINK_LEN
 
-    variant = kv.key.partition("-")[0]
+    base, dot, rank = kv.key.partition(".")
+    variant = base.partition("-")[0]
     ids = kv.token_ids if variant == "plain" else kv.token_ids[SINK_LEN:]
-    return chunk_key(fingerprint, ids, variant)
+    return chunk_key(fingerprint, ids, variant) + dot + rank

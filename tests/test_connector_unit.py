@@ -56,6 +56,7 @@ def _worker(meta: conn.EpicMeta, stores: ChunkStores, block_size: int = 4) -> co
     c = object.__new__(conn.EpicConnector)  # the worker-side state start_load_kv uses, without a vLLM config
     c.block_size, c.linker, c.stores = block_size, _Linker(), stores
     c._load_errors, c._step_results, c._captures, c._learned = set(), {}, {}, {}
+    c.tp_rank, c.tp_size = 0, 1
     c._get_connector_metadata = lambda: meta
     return c
 
@@ -230,3 +231,22 @@ def test_a_request_naming_no_spans_links_the_chunks_found_in_it_unless_it_opts_o
     for r in (plain, opted_out, other):
         c.request_finished(r, [])
     assert c._parsed == {}
+
+
+def test_tensor_parallel_ranks_keep_their_own_records_and_agree_on_what_is_missing(monkeypatch):
+    from epic_rag.engine import vllm_api
+    from epic_rag.keys import chunk_key, record_key
+
+    # rank 1 of 2 holds both records under its own keys; the other rank lacks b's: dropped here too
+    stores = _stores(_record("sink1-a.tp2r1", PROMPT[0:5]), _record("sink1-b.tp2r1", PROMPT[5:9]))
+    c = _worker(conn.EpicMeta(loads=[_load("r1", SPANS)]), stores)
+    c.tp_rank, c.tp_size = 1, 2
+    other_rank = torch.tensor([0.0, 0.0, 1.0])  # load ok, a found, b missing
+    monkeypatch.setattr(vllm_api, "tp_all_reduce", lambda t: t + other_rank)
+    c.start_load_kv(None)
+    ((job, *_),) = c.linker.linked[0]
+    assert [sp.start for sp in job.spans] == [0]  # only a linked: both ranks recompute b's tokens
+    assert c.build_connector_worker_meta().results["r1"]["missing"] == ["sink1-b"]
+    # a rank's record keeps its suffix through the key check
+    kv = _record(chunk_key("fp", PROMPT[1:5], "sink1") + ".tp2r1", PROMPT[0:5])
+    assert record_key("fp", kv) == kv.key

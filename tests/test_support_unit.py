@@ -233,12 +233,12 @@ def test_the_vllm_attributes_the_checks_read_still_exist(path, cls, attrs):
     assert not missing, f"{cls} no longer sets {missing}"
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (4, 2)])
-def test_tensor_or_pipeline_parallelism_is_refused_before_ranks_could_share_a_key(tp, pp):
+@pytest.mark.parametrize("tp, pp", [(1, 2), (4, 2)])
+def test_pipeline_parallelism_is_refused_a_link_runs_every_layer_in_one_pass(tp, pp):
     from types import SimpleNamespace
 
     from epic_rag.engine.support import check_parallelism
 
-    with pytest.raises(LinkUnsupported, match=f"tensor_parallel_size={tp} / pipeline_parallel_size={pp}"):
+    with pytest.raises(LinkUnsupported, match=f"pipeline_parallel_size={pp}"):
         check_parallelism(SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp))
-    check_parallelism(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+    check_parallelism(SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))

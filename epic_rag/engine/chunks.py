@@ -174,12 +174,18 @@ class ChunkResolver:
             if key in self._stored and key not in self._suspect:
                 self._stored.move_to_end(key)
                 return True
+        names = self._stored_names(key)
         if not verify:
-            return (self.glue if glue else self.store).contains(key)
-        if self.stores.get(key, glue) is None:
+            return all((self.glue if glue else self.store).contains(n) for n in names)
+        if any(self.stores.get(n, glue) is None for n in names):
             return False
         self._mark_stored(key)
         return True
+
+    def _stored_names(self, key: str) -> list[str]:
+        """The names a record is stored under: its key, or one per tensor-parallel rank (each holds its heads)."""
+        tp = self.kv_info.get("tp", [0, 1])[1]
+        return [key] if tp == 1 else [f"{key}.tp{tp}r{r}" for r in range(tp)]
 
     def _mark_stored(self, key: str) -> None:
         with self._lock:

@@ -130,6 +130,7 @@ class EpicConnector(KVConnectorBase_V1):
         self.linker: Linker | None = None
         self.stores: ChunkStores | None = None
         self.fingerprint: str | None = None
+        self.tp_rank, self.tp_size = 0, 1  # set at attach
         self._captures: dict[str, Capture] = {}
         self._refusal: str | None = None  # why attaching on first use failed
         self._runner = None  # the model runner that registered the caches
@@ -277,6 +278,7 @@ class EpicConnector(KVConnectorBase_V1):
         rope.self_check(rotator, rotary, attn.head_size, attn.num_kv_heads, cache.dtype)
         self.fingerprint = vllm_api.worker_fingerprint(self._vllm_config, cache.dtype)
         self.stores = worker_stores(self.extra, self.fingerprint)
+        self.tp_rank, self.tp_size = vllm_api.tp_rank_size()
         linker = Linker(
             model=model,
             kv_caches=self.kv_caches,
@@ -284,6 +286,7 @@ class EpicConnector(KVConnectorBase_V1):
             rotator=rotator,
             block_size=self.block_size,
             workspace_tokens=self.workspace_tokens,
+            reduce=vllm_api.tp_all_reduce if self.tp_size > 1 else None,
         )
         self.linker = linker
         return {
@@ -297,6 +300,7 @@ class EpicConnector(KVConnectorBase_V1):
             "link_workspace_tokens": linker.workspace_tokens,
             "link_workspace_bytes": linker.workspace_nbytes,
             "fingerprint": self.fingerprint,
+            "tp": [self.tp_rank, self.tp_size],
         }
 
     def _attached(self, meta: EpicMeta) -> bool:
@@ -321,20 +325,51 @@ class EpicConnector(KVConnectorBase_V1):
             self._step_results[spec.req_id] = {"error": self._refusal}
         return False
 
-    def _job(self, load: LoadSpec) -> tuple[LinkJob, list[str]]:
-        """The worker-side job: each span's record read from the store and checked against the prompt's
-        tokens there; spans whose record is missing or does not match are left out (recomputed)."""
+    def _rank_key(self, key: str) -> str:
+        """Where this rank keeps a record: under tensor parallelism each rank stores its own KV heads."""
+        return key if self.tp_size == 1 else f"{key}.tp{self.tp_size}r{self.tp_rank}"
+
+    def _read(self, loads: list[LoadSpec]) -> list[tuple[list[ChunkKV | None], str | None]]:
+        """Each load's span records, read and checked against the prompt's tokens (None: missing or not
+        matching), or the error reading them. Under tensor parallelism the ranks agree (a span any rank lacks
+        is dropped on all, a load any rank failed fails on all), so they recompute the same tokens and their
+        decoder layers' collectives stay in step."""
+        out = []
+        for load in loads:
+            try:
+                kvs = []
+                for s in load.link.spans:
+                    kv = self.stores.get(self._rank_key(s.key), glue=s.exact)
+                    kvs.append(kv if self._matches(kv, s, load) else None)
+                out.append((kvs, None))
+            except Exception as e:  # a store that raises: the request fails, the step goes on
+                log.exception("reading the chunks of %s failed", load.req_id)
+                out.append(([None] * len(load.link.spans), f"{type(e).__name__}: {e}"))
+        if self.tp_size == 1 or not out:
+            return out
+        flags = torch.tensor([f for kvs, err in out for f in [err is not None] + [kv is None for kv in kvs]])
+        flags = (vllm_api.tp_all_reduce(flags.to(torch.float32)) > 0).tolist()  # vLLM's CPU all-reduce: floats
+        agreed, i = [], 0
+        for kvs, err in out:
+            failed, missing = flags[i], flags[i + 1 : i + 1 + len(kvs)]
+            i += 1 + len(kvs)
+            err = err or ("a chunk record could not be read on another tensor-parallel rank" if failed else None)
+            agreed.append(([None if m else kv for kv, m in zip(kvs, missing)], err))
+        return agreed
+
+    def _job(self, load: LoadSpec, kvs: list[ChunkKV | None], err: str | None) -> tuple[LinkJob, list[str]]:
+        """The worker-side job: the spans whose record was found (the others are recomputed, or fail the
+        request when it asked so)."""
         spans, missing = [], []
-        for s in load.link.spans:
-            kv = self.stores.get(s.key, glue=s.exact)
-            if not self._matches(kv, s, load):
+        for s, kv in zip(load.link.spans, kvs):
+            if kv is None:
                 missing.append(s.key)
                 continue
             spans.append(LinkSpan(s.start, kv.slice(s.offset, s.offset + s.n), s.exact))
-        job = LinkJob(load.token_ids, spans, load.link.policy)
-        if missing and load.link.on_missing == "fail":
+        job = LinkJob(load.token_ids, spans, load.link.policy, error=err)
+        if missing and err is None and load.link.on_missing == "fail":
             job.error = f"chunk records missing or damaged: {', '.join(missing)}"
-        return job, missing
+        return job, [] if err else missing
 
     @staticmethod
     def _matches(kv: ChunkKV | None, s, load: LoadSpec) -> bool:
@@ -362,12 +397,8 @@ class EpicConnector(KVConnectorBase_V1):
         if not meta.loads:
             return
         batch: list[tuple[LoadSpec, LinkLoad, list[str]]] = []
-        for load in meta.loads:
-            try:
-                job, missing = self._job(load)
-            except Exception as e:  # a store that raises: the request fails, the step goes on
-                log.exception("reading the chunks of %s failed", load.req_id)
-                job, missing = LinkJob(load.token_ids, [], load.link.policy, error=f"{type(e).__name__}: {e}"), []
+        for load, (kvs, err) in zip(meta.loads, self._read(meta.loads)):
+            job, missing = self._job(load, kvs, err)
             if missing:
                 then = "the request fails" if job.error else "their tokens are recomputed"
                 log.warning("request %s: %d chunk(s) not in the store: %s", load.req_id, len(missing), then)
@@ -445,7 +476,8 @@ class EpicConnector(KVConnectorBase_V1):
                     self._captures.pop(spec.req_id, None)
                     key = spec.compile.key_for(self.fingerprint, spec.prompt)
                     record = spec.compile.record_tokens(spec.prompt)
-                    self.stores.put(ChunkKV(key, record, cap.k, cap.v, cap.lead - 1), glue=spec.compile.glue)
+                    kv = ChunkKV(self._rank_key(key), record, cap.k, cap.v, cap.lead - 1)
+                    self.stores.put(kv, glue=spec.compile.glue)
                     self._step_results[spec.req_id] = {"stored": key}
                     if spec.compile.lead > 0 and not spec.compile.glue:  # a chunk behind a lead: findable
                         self._learned[key] = record[SINK_LEN:]

@@ -40,18 +40,24 @@ class EpicEngine:
         self.config = config = config or EngineConfig()
         self.default_policy = parse_policy(config.policy)
         self.model_dir = resolve_model(config.model)
-        if config.multiprocess and not isinstance(config.store, str):
-            raise ValueError("multiprocess=True needs a store spec string: the engine core opens it in its process")
+        # With the core in its own process, or workers in their own (tensor parallelism), they open the store
+        # from its spec there; this process keeps its own look-ups to the shared tiers.
+        remote = config.multiprocess or config.tensor_parallel_size > 1
+        if remote and not isinstance(config.store, str):
+            raise ValueError(
+                "multiprocess=True and tensor_parallel_size > 1 need a store spec string: the workers open it"
+            )
         # The worker links from and compiles into these (stores.py): the same objects when vLLM's engine
         # core runs in this process, its own stores opened from the spec when it runs in its own; then this
         # process only looks entries up in the shared tiers, keeping no copies.
-        store = open_shared_tiers(config.store) if config.multiprocess else open_store(config.store)
+        store = open_shared_tiers(config.store) if remote else open_store(config.store)
         stores = ChunkStores(store, new_glue_store())
-        self._local = None if config.multiprocess else register_local(stores)
-        extra = {"store": config.store} if config.multiprocess else {"local": self._local}
+        self._local = None if remote else register_local(stores)
+        extra = {"store": config.store} if remote else {"local": self._local}
         self.dtype = vllm_api.prepare_process(config)
         self._llm = vllm_api.new_llm_engine(str(self.model_dir), self.dtype, config, extra)
-        self.kv_info = self._llm.collective_rpc("epic_attach")[0]
+        infos = self._llm.collective_rpc("epic_attach")  # one per tensor-parallel rank
+        self.kv_info = infos[0]
         self.tokenizer = self._llm.get_tokenizer()
         self.max_model_len = config.max_model_len
         self.text_index = ChunkTextIndex()  # compiled chunk texts, found again inside rendered prompts
@@ -59,7 +65,9 @@ class EpicEngine:
         fp = kv_fingerprint(
             model_fingerprint(self.model_dir), tokenizer_fingerprint(self.tokenizer), self.kv_info["kv_dtype"]
         )
-        if fp != self.kv_info["fingerprint"]:  # keys made here must name what the worker stores and reads
+        if any(
+            fp != info["fingerprint"] for info in infos
+        ):  # keys made here must name what the worker stores and reads
             self.shutdown()
             raise RuntimeError("the engine's and the worker's model/tokenizer fingerprints differ")
         lead = compile_lead(self.tokenizer, config.compile_lead)
@@ -80,9 +88,11 @@ class EpicEngine:
 
     def _entry_key(self, kv: ChunkKV) -> str | None:
         """The key this engine would store `kv` under, from its own token ids (a chunk record holds the
-        sink token(s) before the chunk's tokens); None when the record cannot be this engine's."""
+        sink token(s) before the chunk's tokens; a tensor-parallel rank's record keeps its rank suffix);
+        None when the record cannot be this engine's."""
         ids = self.chunks.record_tokens(kv)
-        return None if ids is None else self.chunks.key(ids, kv.key.partition("-")[0])
+        base, dot, rank = kv.key.partition(".")
+        return None if ids is None else self.chunks.key(ids, base.partition("-")[0]) + dot + rank
 
     # ------------------------------------------------------------------ compile
     def chunk_key(self, token_ids: Sequence[int], variant: str | None = None) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -181,6 +182,9 @@ class Linker:
     # Prompt tokens one recompute pass may hold (summed over its requests): the K/V workspace is allocated
     # for this many once, at attach, and a step's links beyond it run in several passes.
     workspace_tokens: int
+    # Tensor parallelism: sums a tensor over the ranks (CacheBlend's key deviation is summed over every rank's
+    # heads before its picks, so all ranks recompute the same tokens); None on one rank.
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     # requests per batched recompute pass -> passes run (bounded: at most max_num_seqs sizes)
     batch_sizes: Counter = field(init=False, default_factory=Counter)
 
@@ -321,7 +325,7 @@ class Linker:
                 finally:
                     setattr(parent, attr, real)
                 if blend_here:
-                    h, residual = self._blend_select(seqs, li, h, residual)
+                    h, residual = self._blend_select(seqs, li, h, residual, self.reduce)
                     plan = self._plan(seqs, cache)
             for s, p in zip(seqs, paged):
                 if not p:  # attention ran over the buffers: they hold the layer's final K/V
@@ -338,14 +342,14 @@ class Linker:
         )
 
     @staticmethod
-    def _blend_select(seqs: list[_Seq], li: int, h, residual):
+    def _blend_select(seqs: list[_Seq], li: int, h, residual, reduce=None):
         """CacheBlend token selection at the check layer, request by request (R covers every position of a
         blend request here), then the packed rows re-packed: the other requests keep all theirs."""
         keep, off = [], 0
         for s in seqs:
             n = len(s.R)
             if s.blend and n:
-                idx = Linker._blend_keep(s.load.job.policy, s.R, s.cached, s.candidate, s.K[li], s.old_k)
+                idx = Linker._blend_keep(s.load.job.policy, s.R, s.cached, s.candidate, s.K[li], s.old_k, reduce)
                 s.R, s.old_k = s.R[idx], None
                 keep.append(idx + off)
             else:
@@ -355,10 +359,12 @@ class Linker:
         return h[idx], (residual[idx] if residual is not None else None)
 
     @staticmethod
-    def _blend_keep(policy: Policy, R, cached, candidate, K, old_k) -> torch.Tensor:
+    def _blend_keep(policy: Policy, R, cached, candidate, K, old_k, reduce=None) -> torch.Tensor:
         """One request's kept rows (indices into R): every uncached token and the top `ratio` of candidate
         chunk tokens by key deviation.  # K: [Hkv, T, D], old_k: [nR, Hkv, D] -> [n'] int64"""
         dev = (K[:, R].transpose(0, 1) - old_k).float().pow(2).sum(dim=(1, 2))  # [nR]
+        if reduce is not None:  # summed over every rank's heads
+            dev = reduce(dev)
         is_cand = candidate[R]
         n_keep = int(round(policy.ratio * int(is_cand.sum())))
         keep = ~cached[R]

@@ -211,13 +211,11 @@ def _check_rotaries(rotaries: Sequence[torch.nn.Module | None]) -> None:
 
 
 def check_parallelism(parallel_config) -> None:
-    """Refuse tensor and pipeline parallelism: a rank holds a shard of every layer's KV heads (or only some
-    layers), but chunk records are keyed and linked as whole-model KV, so ranks would overwrite each other's
-    records under one key. Not built."""
-    tp = getattr(parallel_config, "tensor_parallel_size", 1)
+    """Refuse pipeline parallelism: a rank holds only some layers, and a link runs every layer in one pass.
+    (Tensor parallelism is handled: each rank stores and links its own KV heads under rank-suffixed keys.)"""
     pp = getattr(parallel_config, "pipeline_parallel_size", 1)
-    if tp != 1 or pp != 1:
+    if pp != 1:
         raise LinkUnsupported(
-            f"EpicConnector does not support tensor_parallel_size={tp} / pipeline_parallel_size={pp}: "
-            "chunk records hold a whole model's KV; run one engine per device (replicas share a Redis store)"
+            f"EpicConnector does not support pipeline_parallel_size={pp}: a link runs every layer in one pass; "
+            "use tensor parallelism or one engine per device"
         )

@@ -27,6 +27,8 @@ Internals (read from vLLM 0.32.0's source; nothing guarantees them):
 - `get_kv_transfer_group()` and `worker.model_runner.get_model()` (worker_model, kv_connector); the model
   runner's `initialize_kv_cache` calling the connector's `register_kv_caches` itself (calling_model_runner,
   how the connector finds the model under `vllm serve`);
+- `get_tensor_model_parallel_rank/world_size` and `tensor_model_parallel_all_reduce` (tp_rank_size,
+  tp_all_reduce): ranks agree on what a link recomputes, so their decoder layers' collectives stay in step;
 - `KVConnectorWorkerMetadata` and the order of `Scheduler.update_from_output`: a step's finished requests are
   freed (request_finished) before its connector output is read (update_connector_output).
 """
@@ -92,6 +94,7 @@ def new_llm_engine(model_dir: str, dtype: str, config, extra: dict[str, Any]) ->
         enforce_eager=True,
         enable_prefix_caching=True,
         seed=config.seed,
+        tensor_parallel_size=config.tensor_parallel_size,
         gpu_memory_utilization=gpu_memory_share(config, model_dir, dtype, ws_tokens),
         kv_transfer_config=KVTransferConfig(
             kv_connector="EpicConnector",
@@ -336,6 +339,20 @@ def kv_connector():
 
 def worker_model(worker) -> torch.nn.Module:
     return worker.model_runner.get_model()
+
+
+def tp_rank_size() -> tuple[int, int]:
+    """This worker's tensor-parallel rank and the group's size."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def tp_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the tensor-parallel group (every rank must call it, in the same order)."""
+    from vllm.distributed.communication_op import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(t)
 
 
 def calling_model_runner(depth: int = 2) -> Any | None:
