@@ -3,7 +3,8 @@ driven with the `openai` client: chunks are compiled through the server with the
 then linked in shuffled order by naming their spans in `kv_transfer_params`, and found by the server in a prompt
 that names nothing. On the one-layer tiny model a
 linked chunk's KV is exact when it is right, so `legolink-0` (nothing recomputed) and `legolink-9999` must
-answer exactly like the plain prompt, and the response must report every span linked."""
+answer exactly like the plain prompt, and the response must report every span linked; with one worker and
+with two tensor-parallel workers (one KV head each)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(tmp_path_factory, request):
     from epic_rag.paths import cache_dir
     from epic_rag.testing.tiny_model import build_tiny_model
 
@@ -53,6 +54,9 @@ def server(tmp_path_factory):
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
     cmd += ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"]
     cmd += ["--served-model-name", "tiny", "--kv-transfer-config", json.dumps(kv_config)]
+    if request.param > 1:  # tensor parallel workers: one KV head each; these machines need manual binding
+        cmd += ["--tensor-parallel-size", str(request.param)]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     try:
