@@ -24,6 +24,9 @@ def test_workspace_bytes_count_k_and_v_of_every_layer_in_the_cache_dtype(llama8b
     per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 heads x 128 dims, bf16
     assert vllm_api.link_workspace_bytes(llama8b_dir, "bfloat16", 1000) == 1000 * per_token
     assert Linker.workspace_bytes(1000, 32, 8, 128, 4) == 2000 * per_token  # fp32: twice
+    # under tensor parallelism a worker holds its share of the 8 KV heads (replicated past 8 workers)
+    assert vllm_api.link_workspace_bytes(llama8b_dir, "bfloat16", 1000, 2) == 1000 * per_token // 2
+    assert vllm_api.link_workspace_bytes(llama8b_dir, "bfloat16", 1000, 16) == 1000 * per_token // 8
 
 
 def test_gpu_share_given_to_vllm_leaves_room_for_the_linker_workspace(llama8b_dir):

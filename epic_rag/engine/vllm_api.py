@@ -107,8 +107,10 @@ def new_llm_engine(model_dir: str, dtype: str, config, extra: dict[str, Any]) ->
     return LLMEngine.from_engine_args(args)
 
 
-def link_workspace_bytes(model_dir: str, dtype: str, tokens: int) -> int:
-    """Bytes of the linker's K/V workspace for `tokens` prompt tokens, from the model's config.json."""
+def link_workspace_bytes(model_dir: str, dtype: str, tokens: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one worker's K/V workspace for `tokens` prompt tokens, from the model's config.json (under
+    tensor parallelism a worker holds its share of the KV heads, at least one: vLLM replicates them when
+    there are fewer heads than workers)."""
     import json
     from pathlib import Path
 
@@ -120,7 +122,7 @@ def link_workspace_bytes(model_dir: str, dtype: str, tokens: int) -> int:
     return Linker.workspace_bytes(
         tokens,
         cfg["num_hidden_layers"],
-        cfg.get("num_key_value_heads", heads),
+        max(1, cfg.get("num_key_value_heads", heads) // tensor_parallel_size),
         head_size,
         getattr(torch, dtype).itemsize,
     )
@@ -136,7 +138,8 @@ def gpu_memory_share(
         if not torch.cuda.is_available():
             return config.gpu_memory_utilization
         total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    share = config.gpu_memory_utilization - link_workspace_bytes(model_dir, dtype, workspace_tokens) / total_bytes
+    ws = link_workspace_bytes(model_dir, dtype, workspace_tokens, config.tensor_parallel_size)
+    share = config.gpu_memory_utilization - ws / total_bytes
     if share <= 0.05:
         raise ValueError(
             f"the linker's workspace ({workspace_tokens} tokens) leaves vLLM {share:.0%} of the GPU's memory: "
