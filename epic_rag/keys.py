@@ -34,6 +34,11 @@ def compile_variant(lead: Sequence[int]) -> str:
     return f"sink{SINK_LEN}" if len(lead) == SINK_LEN else f"lead{digest}"
 
 
+def rank_key(key: str, rank: int, size: int) -> str:
+    """The name a tensor-parallel rank keeps its share of a record under (the key itself on one rank)."""
+    return key if size == 1 else f"{key}.tp{size}r{rank}"
+
+
 def record_key(fingerprint: str, kv) -> str:
     """The key a stored record's own tokens hash to under `fingerprint`: a chunk record (any variant but
     "plain") holds its sink token(s) before the chunk's tokens, which are not part of its key. A tensor-

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from ..keys import chunk_key, compile_variant
+from ..keys import chunk_key, compile_variant, rank_key
 from ..policy import SINK_LEN, Policy
 from ..prompt import check_chunk_text, encode_text
 from ..store import ChunkKV, ChunkStore
@@ -142,20 +142,17 @@ class ChunkResolver:
     def link_spans(self, token_ids: list[int], chunks: list[PlacedChunk], policy: Policy) -> tuple[list[SpanRef], int]:
         """The spans a request links under `policy`, compiling what is missing; and how many chunks were
         compiled here (misses)."""
-        misses = self.resolve([(c.token_ids, self.variant) for c in chunks])
+        keys, misses = self.resolve([(c.token_ids, self.variant) for c in chunks])
         # A record holds [sink] + chunk: the span starts at the sink where the prompt keeps it.
-        spans = []
-        for c in chunks:
-            offset = SINK_LEN - c.sink
-            spans.append(
-                SpanRef(self.key(c.token_ids, self.variant), offset, c.start - c.sink, c.sink + len(c.token_ids))
-            )
+        spans = [
+            SpanRef(key, SINK_LEN - c.sink, c.start - c.sink, c.sink + len(c.token_ids)) for key, c in zip(keys, chunks)
+        ]
         # The glue before the first chunk (system prompt, instructions) sits at position 0 with no context
         # before it: its compiled KV is exact, so it is linked like a chunk and never recomputed.
         lead = chunks[0].start - chunks[0].sink
         if lead >= MIN_EXACT_PREFIX:
-            self.resolve([(token_ids[:lead], "plain")])
-            spans.insert(0, SpanRef(self.key(token_ids[:lead], "plain"), 0, 0, lead, exact=True))
+            (glue_key,), _ = self.resolve([(token_ids[:lead], "plain")])
+            spans.insert(0, SpanRef(glue_key, 0, 0, lead, exact=True))
         return spans, misses
 
     def forget(self, keys: Sequence[str]) -> None:
@@ -185,7 +182,7 @@ class ChunkResolver:
     def _stored_names(self, key: str) -> list[str]:
         """The names a record is stored under: its key, or one per tensor-parallel rank (each holds its heads)."""
         tp = self.kv_info.get("tp", [0, 1])[1]
-        return [key] if tp == 1 else [f"{key}.tp{tp}r{r}" for r in range(tp)]
+        return [rank_key(key, r, tp) for r in range(tp)]
 
     def _mark_stored(self, key: str) -> None:
         with self._lock:
@@ -195,14 +192,14 @@ class ChunkResolver:
             while len(self._stored) > STORED_INDEX_SIZE:
                 self._stored.popitem(last=False)
 
-    def resolve(self, wanted: list[tuple[list[int], str]]) -> int:
+    def resolve(self, wanted: list[tuple[list[int], str]]) -> tuple[list[str], int]:
         """Make sure every chunk's record is stored (plain glue in the glue store, chunks in the chunk
         store), compiling the missing ones in one vLLM batch (single flight, and once across the processes
-        sharing the store). Returns how many were compiled here."""
+        sharing the store). Returns their keys, in order, and how many were compiled here."""
         waits: list[Future] = []
         mine: dict[str, tuple[Future, list[int], str]] = {}
-        for tokens, variant in wanted:
-            key = self.key(tokens, variant)
+        keys = [self.key(tokens, variant) for tokens, variant in wanted]
+        for key, (tokens, variant) in zip(keys, wanted):
             if self._known(key, glue=variant == "plain"):
                 continue
             with self._lock:
@@ -215,7 +212,7 @@ class ChunkResolver:
         compiled = self._compile_once(mine) if mine else 0
         for fut in waits:
             fut.result()
-        return compiled
+        return keys, compiled
 
     def _compile_once(self, todo: dict[str, tuple[Future, list[int], str]]) -> int:
         """Resolve the futures of `todo` (chunks this thread leads), compiling each chunk once among the

@@ -11,7 +11,8 @@ engine core: in the caller's process, in its own process, under `vllm serve`.
 - A link ({"epic": {"link": ...}}) has its first `claim` prompt tokens claimed as externally computed;
   `start_load_kv` reads the spans' records from the worker's store and fills their pages with the linker
   before the forward, and vLLM computes the rest (question, template tail). A record that is missing or does
-  not hold the prompt's tokens there is recomputed instead (the answer stays exact, only slower).
+  not hold the prompt's tokens there is recomputed instead (exact, only slower), or fails the request when
+  the link asks so (on_missing "fail").
 - A compile ({"epic": {"compile": ...}}) has its freshly computed KV copied out of the paged cache after
   each prefill step (`wait_for_save`) and stored under its key once the prompt is complete.
 """
@@ -30,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from ..keys import rank_key
 from ..policy import SINK_LEN, Policy, parse_policy
 from ..store import ChunkKV
 from . import rope, vllm_api
@@ -318,16 +320,15 @@ class EpicConnector(KVConnectorBase_V1):
             except Exception as e:
                 log.exception("EpicConnector cannot link or compile in this engine")
                 self._refusal = f"{type(e).__name__}: {e}"
-        bs = self.block_size
         for load in meta.loads:
-            self._load_errors.update(load.block_ids[load.start // bs : -(-load.end // bs)])
+            self._fail_blocks(load)
         for spec in [*meta.loads, *meta.captures]:
             self._step_results[spec.req_id] = {"error": self._refusal}
         return False
 
     def _rank_key(self, key: str) -> str:
         """Where this rank keeps a record: under tensor parallelism each rank stores its own KV heads."""
-        return key if self.tp_size == 1 else f"{key}.tp{self.tp_size}r{self.tp_rank}"
+        return rank_key(key, self.tp_rank, self.tp_size)
 
     def _read(self, loads: list[LoadSpec]) -> list[tuple[list[ChunkKV | None], str | None]]:
         """Each load's span records, read and checked against the prompt's tokens (None: missing or not
@@ -410,10 +411,9 @@ class EpicConnector(KVConnectorBase_V1):
             for _, ld, _ in batch:
                 if ld.job.error is None:
                     ld.job.error = f"{type(e).__name__}: {e}"
-        bs = self.block_size
         for load, ld, missing in batch:
             if ld.job.error is not None:
-                self._load_errors.update(load.block_ids[load.start // bs : -(-load.end // bs)])
+                self._fail_blocks(load)
                 self._step_results[load.req_id] = {"error": ld.job.error}
             else:
                 self._step_results[load.req_id] = {
@@ -421,6 +421,11 @@ class EpicConnector(KVConnectorBase_V1):
                     "linked_spans": len(ld.job.spans),
                     "missing": missing,
                 }
+
+    def _fail_blocks(self, load: LoadSpec) -> None:
+        """Report the blocks of a load's claimed positions [start, end) as not filled (vLLM fails the request)."""
+        bs = self.block_size
+        self._load_errors.update(load.block_ids[load.start // bs : -(-load.end // bs)])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker, after the step: blocks this step failed to fill (vLLM fails the requests holding them;
