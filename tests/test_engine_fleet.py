@@ -6,18 +6,13 @@ from the shared store with the answer `full` gives, token for token: `legolink-9
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
+import _engine_process
 import pytest
 
 from epic_rag.testing.localredis import LocalRedis
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import dataclasses, json, sys, time
@@ -82,7 +77,6 @@ def redis_url(tmp_path):
 def test_two_replicas_on_one_redis_compile_each_chunk_once_and_both_link_it_like_full(redis_url, tmp_path):
     sync = tmp_path / "sync"
     sync.mkdir()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
     # Small parts, so the chunks also travel as parts behind manifests between the replicas.
     store = f"memory+{redis_url}?max_part_bytes=16K"
     procs = []
@@ -90,21 +84,19 @@ def test_two_replicas_on_one_redis_compile_each_chunk_once_and_both_link_it_like
         cfg = {"store": store, "sync": str(sync), "me": me, "chunks": CHUNKS, "question": QUESTION}
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-c", SCRIPT, json.dumps(cfg)],
+                _engine_process.command(SCRIPT, cfg),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                cwd=ROOT,
-                env=env,
+                cwd=_engine_process.ROOT,
+                env=_engine_process.environment(),
             )
         )
     outs = []
     try:
         for p in procs:
             stdout, stderr = p.communicate(timeout=900)
-            lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-            assert p.returncode == 0 and lines, f"replica failed (rc={p.returncode}):\n{stderr[-4000:]}"
-            outs.append(json.loads(lines[-1][len("RESULT ") :]))
+            outs.append(_engine_process.result(p.returncode, stdout, stderr))
     finally:
         for p in procs:
             if p.poll() is None:

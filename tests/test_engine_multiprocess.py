@@ -6,13 +6,7 @@ chunks compiled through the core and read back from its store, in shuffled order
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+import _engine_process
 
 SCRIPT = r"""
 import dataclasses, json, sys
@@ -50,19 +44,8 @@ CHUNKS = [
 
 
 def test_an_engine_whose_vllm_core_runs_in_its_own_process_compiles_and_links_chunks_exactly(tmp_path):
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
     cfg = {"store": "memory", "chunks": CHUNKS, "question": "which function multiplies by 3?"}
-    p = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=900,
-    )
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"engine failed (rc={p.returncode}):\n{p.stderr[-4000:]}"
-    out = json.loads(lines[-1][len("RESULT ") :])
+    out = _engine_process.run(SCRIPT, cfg)
     assert out["core_client"] == "SyncMPClient", out  # vLLM's core (and the connector) ran in another process
     assert out["compiled"] == out["compiled_after"] - 1 == len(CHUNKS)  # + the glue before the first chunk
     for key, r in out.items():

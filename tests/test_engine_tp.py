@@ -6,13 +6,7 @@ vLLM's CPU build starts two workers on these 2-core machines only with manual th
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+import _engine_process
 
 SCRIPT = r"""
 import dataclasses, json, sys
@@ -51,14 +45,8 @@ CHUNKS = [
 
 
 def test_two_tensor_parallel_ranks_store_their_own_heads_and_link_exactly(tmp_path):
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1", PYTHONPATH=str(ROOT))
     cfg = {"store": f"disk:{tmp_path / 'kv'}", "chunks": CHUNKS, "question": "which function subtracts?"}
-    p = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(cfg)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900
-    )
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"engine failed (rc={p.returncode}):\n{p.stderr[-4000:]}"
-    out = json.loads(lines[-1][len("RESULT ") :])
+    out = _engine_process.run(SCRIPT, cfg, VLLM_CPU_OMP_THREADS_BIND="0|1")
     assert out["tp"] == [0, 2] and out["heads"] == 1  # rank 0 of 2, one of the two KV heads
     for order in ("given", "shuffled"):
         assert out[order]["same"] and out[order]["hits"] == len(CHUNKS), out[order]

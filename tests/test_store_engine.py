@@ -3,18 +3,12 @@ here runs in its own subprocess (this pytest process never builds one) and repor
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
+import _engine_process
 import pytest
 
 from epic_rag.testing.localredis import LocalRedis
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # Runs one engine: generate once, optionally damage disk entries and generate again; prints RESULT <json>.
 SCRIPT = r"""
@@ -67,13 +61,7 @@ def run_engine(store: str, dtype: str = "float32", seed: int = 0, damage: str | 
         "chunks": CHUNKS,
         "model_name": "tiny-llama-v1" if seed == 0 else f"tiny-llama-v1-seed{seed}",
     }
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(cfg)], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env
-    )
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, f"engine subprocess failed (rc={r.returncode}):\n{r.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT ") :])
+    return _engine_process.run(SCRIPT, cfg)
 
 
 @pytest.fixture(scope="module")
