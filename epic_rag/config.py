@@ -26,6 +26,12 @@ class EngineConfig:
     # Prompt tokens one batched link pass holds, summed over its requests (the linker's K/V workspace,
     # allocated once; on a GPU it is taken out of gpu_memory_utilization's share). 0: twice max_model_len.
     link_workspace_tokens: int = 0
+    # Links load asynchronously: a linking request waits while its link runs a few layers after each step's
+    # forward, for at most link_step_share x that forward's time, so running requests' decodes are delayed by
+    # a bounded share; a step with nothing else to run links to the end. Off: each link runs whole inside the
+    # step that first schedules its request. Tensor parallelism always links synchronously.
+    async_links: bool = True
+    link_step_share: float = 1.0
     seed: int = 0
     # What every chunk is compiled behind: "template" (the default prompt up to its first document) or
     # "sink" (the sink token alone: EPIC's reference compile, [BOS] + chunk from position 0). Part of the keys.
@@ -50,6 +56,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.heap_trim_s, (int, float)) or not self.heap_trim_s >= 0:
             raise ValueError(f"heap_trim_s must be a number of seconds >= 0, got {self.heap_trim_s!r}")
+        if not isinstance(self.async_links, bool):
+            raise ValueError(f"async_links must be true or false, got {self.async_links!r}")
+        if isinstance(self.link_step_share, bool) or not isinstance(self.link_step_share, (int, float)):
+            raise ValueError(f"link_step_share must be a number >= 0, got {self.link_step_share!r}")
+        if not self.link_step_share >= 0:
+            raise ValueError(f"link_step_share must be a number >= 0, got {self.link_step_share!r}")
         if not isinstance(self.link_workspace_tokens, int) or self.link_workspace_tokens < 0:
             raise ValueError(f"link_workspace_tokens must be an int >= 0, got {self.link_workspace_tokens!r}")
         if 0 < self.link_workspace_tokens < self.max_model_len:

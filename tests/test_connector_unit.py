@@ -20,13 +20,24 @@ from epic_rag.store import ChunkKV, MemoryStore
 
 
 class _Linker:
-    def __init__(self) -> None:
-        self.linked = []
+    """The linker's pass protocol (begin, then advance until done) over `layers` layers, recording each pass;
+    the real linker's exactness is tested on real models (test_engine_*)."""
 
-    def link_many(self, loads):
+    def __init__(self, layers: int = 1) -> None:
+        self.linked, self.layers, self.advances = [], layers, 0
+
+    def begin(self, loads):
         self.linked.append([(ld.job, ld.block_ids, ld.start, ld.end) for ld in loads])
-        for ld in loads:
+        return SimpleNamespace(loads=list(loads), layer=0), []
+
+    def advance(self, p, deadline=None):
+        self.advances += 1
+        p.layer = self.layers if deadline is None else p.layer + 1  # one layer a call under a spent budget
+        if p.layer < self.layers:
+            return False
+        for ld in p.loads:
             ld.job.recomputed = 3
+        return True
 
 
 SINK = 1
@@ -49,6 +60,7 @@ def _scheduler(find: str | None = None) -> conn.EpicConnector:
     c = object.__new__(conn.EpicConnector)  # the scheduler-side state, without a vLLM config
     c._results, c._active, c._finished, c._parsed = {}, {}, [], {}
     c.find_policy, c.finder = (parse_policy(find) if find else None), ChunkFinder()
+    c.async_links = False
     return c
 
 
@@ -57,6 +69,8 @@ def _worker(meta: conn.EpicMeta, stores: ChunkStores, block_size: int = 4) -> co
     c.block_size, c.linker, c.stores = block_size, _Linker(), stores
     c._load_errors, c._step_results, c._captures, c._learned = set(), {}, {}, {}
     c.tp_rank, c.tp_size = 0, 1
+    c._queue, c._pass, c._recving, c._bound_at = [], None, set(), 0.0
+    c.async_links, c.link_step_share = False, 1.0
     c._get_connector_metadata = lambda: meta
     return c
 
@@ -105,10 +119,10 @@ def test_a_failed_batch_fails_each_request_through_its_blocks_without_raising_in
     loads = [_load("r1", SPANS, block_ids=(0, 1, 2)), _load("r2", SPANS, block_ids=(3, 4, 5))]
     c = _worker(conn.EpicMeta(loads=loads), stores)
 
-    def broken(batch):
+    def broken(p, deadline=None):
         raise RuntimeError("simulated fault in the batched pass")
 
-    c.linker.link_many = broken
+    c.linker.advance = broken
     c.start_load_kv(None)  # never raises into vLLM's step
     assert c.get_block_ids_with_load_errors() == {0, 1, 2, 3, 4, 5}  # vLLM fails the requests holding them
     assert c.get_block_ids_with_load_errors() == set()
@@ -169,6 +183,98 @@ def test_the_worker_outcome_reaches_the_request_end_and_nothing_is_kept_for_ende
     assert set(c._results) == {"r"}  # "gone" already ended: not kept
     assert c.request_finished(req, []) == (False, {"epic": {"error": "rank 1 failed"}})
     assert c._active == {} and c._results == {} and c._finished == ["r"]
+
+
+class _Blocks:  # the scheduler's KV cache manager, as block_ids_of reads it
+    def get_blocks(self, req_id):
+        return SimpleNamespace(get_block_ids=lambda: ([4, 5, 6],))
+
+
+def _step(total_tokens: int = 0, new=()):
+    return SimpleNamespace(
+        total_num_scheduled_tokens=total_tokens,
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+    )
+
+
+def test_an_async_link_is_claimed_as_an_async_load_and_sent_to_the_worker_before_its_request_is_scheduled():
+    c = _scheduler()
+    c.async_links, c._kvm = True, _Blocks()
+    link = {"policy": "legolink-2", "sink": SINK, "spans": [list(s) for s in SPANS]}
+    req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, kv_transfer_params={"epic": {"link": link}})
+    assert c.get_num_new_matched_tokens(req, 4) == (5, True)  # vLLM's own prefix hit covers the first 4
+    c.update_state_after_alloc(req, None, 5)
+    meta = c.build_connector_meta(_step())  # vLLM schedules nothing for r while it waits for its load
+    (load,) = meta.loads
+    assert (load.req_id, load.block_ids, load.start, load.end, load.token_ids) == ("r", [4, 5, 6], 4, 9, PROMPT[:9])
+    assert meta.idle  # nothing scheduled: the worker may link to the end
+    assert c.build_connector_meta(_step(total_tokens=3)).loads == []  # sent once
+    assert not c.build_connector_meta(_step(total_tokens=3)).idle
+    none = SimpleNamespace(request_id="n", prompt_token_ids=PROMPT, kv_transfer_params={"epic": {"find": False}})
+    assert c.get_num_new_matched_tokens(none, 0) == (0, False)  # nothing to load: not an async load
+
+
+def _async_worker(meta: conn.EpicMeta, layers: int, share: float = 0.0) -> conn.EpicConnector:
+    stores = _stores(_record("sink1-a", PROMPT[0:5]), _record("sink1-b", PROMPT[5:9]))
+    c = _worker(meta, stores)
+    c.linker, c.async_links, c.link_step_share = _Linker(layers), True, share
+    return c
+
+
+def test_an_async_link_advances_a_bounded_share_of_each_busy_step_and_is_released_when_done():
+    meta = conn.EpicMeta(loads=[_load("r1", SPANS)])
+    c = _async_worker(meta, layers=3)  # share 0: one layer a step
+    for step in range(3):
+        c.start_load_kv(None)
+        meta.loads = []  # each load arrives once
+        if step < 2:
+            assert c.get_finished(set()) == (None, None)  # still linking: vLLM keeps r waiting
+            assert c.build_connector_worker_meta() is None
+    assert c.linker.advances == 3 and len(c.linker.linked) == 1  # one pass, three steps
+    assert c.get_finished(set()) == (None, {"r1"})
+    assert c.build_connector_worker_meta().results["r1"] == {"recomputed": 3, "linked_spans": 2, "missing": []}
+    assert c._pass is None and c._queue == []  # nothing held
+
+
+def test_an_idle_step_links_to_the_end_and_links_arriving_meanwhile_wait_for_the_next_pass():
+    meta = conn.EpicMeta(loads=[_load("r1", SPANS)])
+    c = _async_worker(meta, layers=4)
+    c.start_load_kv(None)  # busy step: one layer
+    meta.loads = [_load("r2", SPANS[1:], block_ids=(7, 8, 9)), _load("r3", SPANS, block_ids=(10, 11, 12))]
+    c.start_load_kv(None)  # r2 and r3 wait: the workspace holds r1's pass
+    assert [len(b) for b in c.linker.linked] == [1] and c.get_finished(set()) == (None, None)
+    meta.loads, meta.idle = [], True
+    c.start_load_kv(None)  # nothing else to run: r1 to the end, then r2 and r3 together
+    assert [len(b) for b in c.linker.linked] == [1, 2]
+    assert c.get_finished(set()) == (None, {"r1", "r2", "r3"})
+
+
+def test_a_failed_async_link_reports_its_blocks_and_its_release_in_the_same_step():
+    meta = conn.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS, block_ids=(3, 4, 5))], idle=True)
+    c = _async_worker(meta, layers=2)
+
+    def broken(p, deadline=None):
+        raise RuntimeError("simulated fault in a layer")
+
+    c.linker.advance = broken
+    c.start_load_kv(None)
+    assert c.get_block_ids_with_load_errors() == {0, 1, 2, 3, 4, 5}  # vLLM fails both...
+    assert c.get_finished(set()) == (None, {"r1", "r2"})  # ...and frees their blocks once released
+    assert c.build_connector_worker_meta().results["r1"] == {"error": "RuntimeError: simulated fault in a layer"}
+
+
+def test_an_async_link_aborted_before_its_pass_starts_is_released_without_linking():
+    meta = conn.EpicMeta(loads=[_load("r1", SPANS)])
+    c = _async_worker(meta, layers=3)
+    c.start_load_kv(None)  # r1's pass under way
+    meta.loads = [_load("r2", SPANS[1:], block_ids=(7, 8, 9))]
+    c.start_load_kv(None)  # r2 queued
+    meta.loads, meta.finished = [], ["r2"]  # r2 aborted
+    c.start_load_kv(None)
+    assert c.get_finished(set()) == (None, {"r1", "r2"})  # r1 done (3 layers); r2 released unlinked
+    assert [len(b) for b in c.linker.linked] == [1]
+    assert "r2" not in c.build_connector_worker_meta().results
 
 
 def test_attach_refuses_an_unsupported_configuration_before_building_the_linker():

@@ -225,10 +225,10 @@ def test_prefix_policy_reuses_exact_prefixes_and_matches_full(tiny_engine):
 def test_a_failed_link_is_never_served(tiny_engine, monkeypatch):
     from epic_rag.engine import linker
 
-    def broken(self, loads):
+    def broken(self, p, deadline=None):
         raise RuntimeError("simulated linker fault")
 
-    monkeypatch.setattr(linker.Linker, "link_many", broken)
+    monkeypatch.setattr(linker.Linker, "advance", broken)
     with pytest.raises(RuntimeError, match="finish reason 'error'"):
         tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")
     monkeypatch.undo()
@@ -516,3 +516,43 @@ def test_linker_on_the_flash_attention_plan_and_kernel_contract_equals_one_by_on
         assert g.token_ids == ref.token_ids, pol
     full = tiny_engine.generate(_req(MIXED[1][0]), max_tokens=12, policy="full")
     assert got[1].token_ids == full.token_ids  # legolink-9999 through the kernel contract: exact
+
+
+def test_a_link_while_others_decode_runs_a_layer_a_step_and_equals_the_same_link_run_alone(tiny_engine, monkeypatch):
+    import threading
+
+    from epic_rag.engine import linker, vllm_api
+
+    alone = tiny_engine.generate(_req(CHUNKS[::-1]), max_tokens=12, policy="legolink-16")  # idle steps: whole
+    monkeypatch.setattr(vllm_api.kv_connector(), "link_step_share", 0.0)  # a busy step: one layer of a link
+    calls = []  # (pass, layers run, without a deadline)
+    advance = linker.Linker.advance
+
+    def counted(self, p, deadline=None):
+        before = p.layer
+        done = advance(self, p, deadline)
+        calls.append((id(p), p.layer - before, deadline is None))
+        return done
+
+    monkeypatch.setattr(linker.Linker, "advance", counted)
+    decoding, finished = threading.Event(), []
+
+    def long_decode():  # keeps every step busy while the link runs
+        for _ in tiny_engine.stream("count to a thousand", max_tokens=300, policy="full", ignore_eos=True):
+            decoding.set()
+        finished.append(True)
+
+    t = threading.Thread(target=long_decode)
+    t.start()
+    if not decoding.wait(60):
+        t.join(1)
+        pytest.fail("the plain request never streamed")
+    got = tiny_engine.generate(_req(CHUNKS[::-1]), max_tokens=12, policy="legolink-16")
+    still_decoding = not finished
+    t.join(120)
+    assert still_decoding and finished  # the link ran while the other request decoded, which then ended
+    assert got.token_ids == alone.token_ids and got.recomputed_tokens == alone.recomputed_tokens
+    assert got.linked_tokens == alone.linked_tokens > 0
+    layers = len(_linker().layers)
+    assert [(n, whole) for _, n, whole in calls] == [(1, False)] * layers  # one pass, one layer a step
+    assert pending() == 0

@@ -68,8 +68,16 @@ def run(args: argparse.Namespace, engine=None) -> Path:
             if what == "store"
             else dict(max_model_len=8192, kv_cache_gib=4)
         )
-        engine = EpicEngine(EngineConfig(model=args.model, dtype="float32", compile_lead=args.compile_lead, **size))
-    model = f"{args.model} ({engine.dtype}, vLLM CPU)" if own else str(engine.model_dir)
+        config = EngineConfig(
+            model=args.model,
+            dtype="float32",
+            compile_lead=args.compile_lead,
+            async_links=not args.sync_links,
+            **size,
+        )
+        engine = EpicEngine(config)
+    links = "links synchronous" if args.sync_links else "links asynchronous"
+    model = f"{args.model} ({engine.dtype}, vLLM CPU, {links})" if own else str(engine.model_dir)
     q = args.quick
     pols = args.policies
     progress = not args.no_progress
@@ -181,6 +189,11 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         default=None,
         help=f"accuracy: answer length of the open-ended task (default {OPEN_MAX_TOKENS}; "
         f"--quick {QUICK_OPEN_MAX_TOKENS})",
+    )
+    b.add_argument(
+        "--sync-links",
+        action="store_true",
+        help="link each request whole inside the step that schedules it (EngineConfig.async_links=False)",
     )
     b.add_argument("--chunks", type=int, default=8, help="link: chunks per prompt")
     b.add_argument("--chunk-tokens", type=int, default=512, help="link and store: tokens per chunk")

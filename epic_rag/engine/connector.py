@@ -9,10 +9,17 @@ in the model runner around each forward; their outcomes come back through EpicWo
 Everything a request asks for travels inside it (jobs.py), so the connector works wherever vLLM runs its
 engine core: in the caller's process, in its own process, under `vllm serve`.
 - A link ({"epic": {"link": ...}}) has its first `claim` prompt tokens claimed as externally computed;
-  `start_load_kv` reads the spans' records from the worker's store and fills their pages with the linker
-  before the forward, and vLLM computes the rest (question, template tail). A record that is missing or does
-  not hold the prompt's tokens there is recomputed instead (exact, only slower), or fails the request when
-  the link asks so (on_missing "fail").
+  `start_load_kv` reads the spans' records from the worker's store and the linker fills their pages, and
+  vLLM computes the rest (question, template tail). A record that is missing or does not hold the prompt's
+  tokens there is recomputed instead (exact, only slower), or fails the request when the link asks so
+  (on_missing "fail").
+- Links load asynchronously (vLLM's load_async; kv_connector_extra_config "async_links", default on, off
+  under tensor parallelism): the request waits while its link runs a few layers in each step, after that
+  step's forward, for at most `link_step_share` times the forward's time (then at least one layer), so the
+  running requests' decodes are delayed by a bounded share, as vLLM's chunked prefill bounds a prefill's;
+  a step with nothing else to run links to the end. The requests that arrive together are linked in one
+  batched pass; get_finished() releases them. With "async_links" off, every link of a step runs whole before
+  its forward (the request's first step then also computes its question).
 - A compile ({"epic": {"compile": ...}}) has its freshly computed KV copied out of the paged cache after
   each prefill step (`wait_for_save`) and stored under its key once the prompt is complete.
 """
@@ -20,6 +27,7 @@ engine core: in the caller's process, in its own process, under `vllm serve`.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +46,7 @@ from . import rope, vllm_api
 from .finder import ChunkFinder
 from .jobs import Capture, CompileRequest, LinkJob, LinkRequest, LinkSpan, epic_params
 from .layout import layout_for
-from .linker import WORKSPACE_PROMPTS, Linker, LinkLoad
+from .linker import WORKSPACE_PROMPTS, Linker, LinkLoad, LinkPass
 from .stores import ChunkStores, worker_stores
 from .support import check_parallelism, check_supported
 
@@ -50,7 +58,14 @@ def pending() -> int:
     """Requests the connectors of this process still hold state for (both roles; 0 when nothing is in
     flight): a check that finished and aborted requests leave nothing behind."""
     return sum(
-        len(c._active) + len(c._results) + len(c._parsed) + len(c._captures) + len(c._step_results) for c in _INSTANCES
+        len(c._active)
+        + len(c._results)
+        + len(c._parsed)
+        + len(c._captures)
+        + len(c._step_results)
+        + len(c._queue)
+        + (c._pass is not None)
+        for c in _INSTANCES
     )
 
 
@@ -80,6 +95,7 @@ class EpicMeta(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     captures: list[CaptureSpec] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # requests gone since the last step: drop their buffers
+    idle: bool = False  # nothing scheduled in this step: no forward runs, links may take the whole step
 
 
 @dataclass
@@ -96,6 +112,15 @@ class EpicWorkerMeta(KVConnectorWorkerMetadata):
                 if "error" in r or req_id not in self.results:
                     self.results[req_id] = r
         return self
+
+
+@dataclass(eq=False, slots=True)
+class _Link:
+    """One load on the worker side, from its step's metadata until its outcome is reported."""
+
+    spec: LoadSpec
+    load: LinkLoad
+    missing: list[str]  # span keys without a usable record (recomputed)
 
 
 @dataclass(slots=True)
@@ -116,6 +141,13 @@ class EpicConnector(KVConnectorBase_V1):
         # prompt tokens one batched link pass holds (the linker's workspace; vllm_api.gpu_memory_share counts it)
         default_ws = WORKSPACE_PROMPTS * vllm_config.model_config.max_model_len
         self.workspace_tokens = int(self.extra.get("workspace_tokens", default_ws))
+        # Links load asynchronously, a share of each step (module docstring). Not under tensor parallelism:
+        # the ranks' time budgets would differ, and their layers' collectives must stay in step.
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        self.async_links = bool(self.extra.get("async_links", True)) and tp == 1
+        self.link_step_share = float(self.extra.get("link_step_share", 1.0))
+        if not self.link_step_share >= 0:
+            raise ValueError(f"link_step_share must be a number >= 0, got {self.extra.get('link_step_share')!r}")
         # scheduler side
         self._active: dict[str, _ReqState] = {}
         self._results: dict[str, dict[str, Any]] = {}  # worker outcomes (and refusals) until the request ends
@@ -139,6 +171,10 @@ class EpicConnector(KVConnectorBase_V1):
         self._step_results: dict[str, dict[str, Any]] = {}
         self._learned: dict[str, list[int]] = {}  # chunk records stored this step: key -> chunk tokens
         self._load_errors: set[int] = set()  # blocks whose claimed KV was not written this step
+        self._queue: list[_Link] = []  # loads waiting for a pass
+        self._pass: tuple[LinkPass | None, list[_Link]] | None = None  # the pass under way and its loads
+        self._recving: set[str] = set()  # async loads done (or failed) since the last get_finished
+        self._bound_at = 0.0  # when this step's metadata was bound (before its forward)
         _INSTANCES.add(self)
 
     # ---------------- scheduler side ----------------
@@ -188,11 +224,12 @@ class EpicConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Scheduler, when a waiting request is considered: how many prompt tokens beyond
         `num_computed_tokens` (vLLM's own prefix-cache hits) this connector provides, and whether it loads
-        them asynchronously (never: links run synchronously before the forward). Reads the request only."""
+        them asynchronously (async_links). Reads the request only."""
         link, _ = self._parse(request)
         if link is None:
             return 0, False
-        return max(link.claim(len(request.prompt_token_ids)) - num_computed_tokens, 0), False
+        n = max(link.claim(len(request.prompt_token_ids)) - num_computed_tokens, 0)
+        return n, self.async_links and n > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Scheduler, after blocks were allocated for a request: remember what to load or capture for it."""
@@ -208,23 +245,25 @@ class EpicConnector(KVConnectorBase_V1):
         )
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        """Scheduler, once per step after scheduling: the loads (links, once per request) and captures
-        (each step of a compile's prefill) the worker must run in this step, with their block ids."""
-        meta = EpicMeta(finished=self._finished)
+        """Scheduler, once per step after scheduling: the loads (links of the requests given blocks in this
+        step: scheduled now, or waiting for their asynchronous load) and captures (each step of a compile's
+        prefill) the worker must start in this step, with their block ids."""
+        meta = EpicMeta(finished=self._finished, idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._finished = []
         if not self._active:
             return meta
+        for req_id, st in self._active.items():
+            if st.load_pending:  # claimed positions [claim - n_ext, claim): vLLM's own prefix hits come first
+                claim, link = st.link.cut(len(st.prompt))
+                block_ids = vllm_api.block_ids_of(self._kvm, req_id)
+                meta.loads.append(LoadSpec(req_id, link, st.prompt[:claim], block_ids, claim - st.n_ext, claim))
+                st.load_pending = False
         for req_id, num_computed in vllm_api.scheduled_steps(scheduler_output):
             st = self._active.get(req_id)
             if st is None:
                 continue
-            block_ids = vllm_api.block_ids_of(self._kvm, req_id)
-            if st.load_pending:
-                claim, link = st.link.cut(len(st.prompt))
-                start = num_computed - st.n_ext
-                meta.loads.append(LoadSpec(req_id, link, st.prompt[:claim], block_ids, start, num_computed))
-                st.load_pending = False
             if st.compile is not None:
+                block_ids = vllm_api.block_ids_of(self._kvm, req_id)
                 n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
                 num_prompt = len(st.prompt)
                 end = min(num_computed + n_sched, num_prompt)
@@ -322,6 +361,8 @@ class EpicConnector(KVConnectorBase_V1):
                 self._refusal = f"{type(e).__name__}: {e}"
         for load in meta.loads:
             self._fail_blocks(load)
+            if self.async_links:
+                self._recving.add(load.req_id)
         for spec in [*meta.loads, *meta.captures]:
             self._step_results[spec.req_id] = {"error": self._refusal}
         return False
@@ -383,44 +424,101 @@ class EpicConnector(KVConnectorBase_V1):
             return False
         return True
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Worker, before the step's forward: the step's metadata; the time, to bound this step's link work."""
+        super().bind_connector_metadata(connector_metadata)
+        self._bound_at = time.perf_counter()
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        """Worker, before the step's forward: link every request in this step's loads, all in one batch
-        (one recompute pass per layer for all of them; writes their claimed pages in every layer). A request
-        whose link fails is never answered from its pages: its blocks are reported as failed loads
+        """Worker, in each step (vLLM calls it before the forward where a step has synchronous loads, after it
+        otherwise): read this step's loads and link. Asynchronous links advance the pass under way by a share
+        of the step (module docstring); synchronous ones run whole, before the forward. The requests that
+        arrive together are linked in one batched pass (one decoder-layer call per layer for all of them).
+        A request whose link fails is never answered from its pages: its blocks are reported as failed loads
         (get_block_ids_with_load_errors), so vLLM fails it (finish reason "error", no token passed on, the
         blocks dropped from its prefix cache). A request whose own data is invalid is failed alone by the
-        linker; a failure of the batched pass fails every request of the batch."""
+        linker; a failure of the batched pass fails every request of the pass."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, EpicMeta) or not self._attached(meta):
             return
         for req_id in meta.finished:
             self._captures.pop(req_id, None)
-        if not meta.loads:
-            return
-        batch: list[tuple[LoadSpec, LinkLoad, list[str]]] = []
+        self._drop_unstarted(set(meta.finished))
         for load, (kvs, err) in zip(meta.loads, self._read(meta.loads)):
             job, missing = self._job(load, kvs, err)
             if missing:
                 then = "the request fails" if job.error else "their tokens are recomputed"
                 log.warning("request %s: %d chunk(s) not in the store: %s", load.req_id, len(missing), then)
-            batch.append((load, LinkLoad(job, load.block_ids, load.start, load.end), missing))
-        try:
-            self.linker.link_many([ld for _, ld, _ in batch if ld.job.error is None])
-        except Exception as e:  # never crash the engine step: these requests are failed
-            log.exception("linking a batch of %d requests failed", len(batch))
-            for _, ld, _ in batch:
-                if ld.job.error is None:
-                    ld.job.error = f"{type(e).__name__}: {e}"
-        for load, ld, missing in batch:
-            if ld.job.error is not None:
-                self._fail_blocks(load)
-                self._step_results[load.req_id] = {"error": ld.job.error}
+            self._queue.append(_Link(load, LinkLoad(job, load.block_ids, load.start, load.end), missing))
+        if not self._queue and self._pass is None:
+            return
+        deadline = None
+        if self.async_links and not meta.idle:
+            now = time.perf_counter()
+            deadline = now + self.link_step_share * max(now - self._bound_at, 0.0)
+        self._link(deadline)
+
+    def _drop_unstarted(self, gone: set[str]) -> None:
+        """Requests finished (aborted) before their link started are not linked; their blocks are released."""
+        if not gone or not self._queue:
+            return
+        for x in self._queue:
+            if x.spec.req_id in gone:
+                self._recving.add(x.spec.req_id)
+        self._queue = [x for x in self._queue if x.spec.req_id not in gone]
+
+    def _link(self, deadline: float | None) -> None:
+        """Start passes and advance them until none is left or `deadline` passes (None: to the end)."""
+        while self._pass is not None or self._queue:
+            if self._pass is None:
+                ready = [x for x in self._queue if x.load.job.error is None]
+                try:
+                    p, rest = self.linker.begin([x.load for x in ready])
+                except Exception as e:  # never crash the engine step: these requests are failed
+                    self._fail_all(self._queue, e)
+                    p, rest = None, []
+                left = {id(ld) for ld in rest}
+                self._pass = (p, [x for x in self._queue if id(x.load) not in left])
+                self._queue = [x for x in self._queue if id(x.load) in left]
+            p, links = self._pass
+            try:
+                if p is not None and not self.linker.advance(p, deadline):
+                    return  # the rest in later steps
+            except Exception as e:
+                self._fail_all(links, e)
+            self._pass = None
+            self._report(links)
+            if deadline is not None and time.perf_counter() >= deadline:
+                return
+
+    @staticmethod
+    def _fail_all(links: list[_Link], e: Exception) -> None:
+        log.exception("linking a pass of %d requests failed", len(links), exc_info=e)
+        for x in links:
+            if x.load.job.error is None:
+                x.load.job.error = f"{type(e).__name__}: {e}"
+
+    def _report(self, links: list[_Link]) -> None:
+        """The outcomes of finished links, for the scheduler side; failed ones also as failed blocks."""
+        for x in links:
+            job = x.load.job
+            if job.error is not None:
+                self._fail_blocks(x.spec)
+                self._step_results[x.spec.req_id] = {"error": job.error}
             else:
-                self._step_results[load.req_id] = {
-                    "recomputed": ld.job.recomputed,
-                    "linked_spans": len(ld.job.spans),
-                    "missing": missing,
+                self._step_results[x.spec.req_id] = {
+                    "recomputed": job.recomputed,
+                    "linked_spans": len(job.spans),
+                    "missing": x.missing,
                 }
+            if self.async_links:
+                self._recving.add(x.spec.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Worker, after the step: the asynchronous links done since the last call, failed ones included (their
+        blocks are reported by get_block_ids_with_load_errors in the same step, as vLLM asks)."""
+        done, self._recving = self._recving, set()
+        return None, (done or None)
 
     def _fail_blocks(self, load: LoadSpec) -> None:
         """Report the blocks of a load's claimed positions [start, end) as not filled (vLLM fails the request)."""
@@ -442,7 +540,7 @@ class EpicConnector(KVConnectorBase_V1):
         return meta
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Worker, before each attention layer: nothing to wait for (links finish in start_load_kv)."""
+        """Worker, before each attention layer: nothing to wait for (a request runs once its link is done)."""
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:

@@ -1,15 +1,15 @@
 """LegoLink linker: assemble requests' KV from compiled chunks and recompute a few tokens.
 
-Runs on the worker, inside vLLM's step, before the forward. Every request that links in a step is linked
-in one batch (`Linker.link_many`). Per request it fills a K/V buffer for positions [0, T) with every
-linked chunk's cached KV, keys rotated to their real positions; then for each layer it runs the model's
-own decoder layer ONCE on the recompute sets R of all the batch's requests, packed one after another,
-with the attention module swapped for `_LinkAttention` (architecture details stay in vLLM's model code).
-The shim splits the packed rows back per request: a request on the kernel path has R's fresh K/V written
-into its pages (already holding the layer's cached KV) and attends with the backend's own kernel (one
-kernel call for every such request of the batch); a request where the layout offers no kernel path
-attends over its own buffer with a position-causal mask, the buffer being written into its pages after
-the layer.
+Runs on the worker, inside vLLM's steps. The requests that link together are linked in one batched pass
+(`Linker.begin`), layer by layer (`Linker.advance`: all layers at once, or a few each step, see connector.py).
+Per request and layer it fills a K/V buffer for positions [0, T) with every linked chunk's cached KV, keys
+rotated to their real positions; then it runs the model's own decoder layer ONCE on the recompute sets R of
+all the pass's requests, packed one after another, with the attention module swapped for `_LinkAttention`
+(architecture details stay in vLLM's model code; the swap is undone before the step's forward runs). The shim
+splits the packed rows back per request: a request on the kernel path has R's fresh K/V written into its
+pages (already holding the layer's cached KV) and attends with the backend's own kernel (one kernel call for
+every such request of the pass); a request where the layout offers no kernel path attends over its own
+buffer with a position-causal mask, the buffer being written into its pages after the layer.
 
 Recompute sets (R always holds every token without a cache: template glue, system prompt):
 - naive: nothing else;  legolink-k: the first k tokens of each chunk's span (its sink token first where
@@ -23,6 +23,7 @@ Recompute sets (R always holds every token without a cache: template glue, syste
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,6 +81,23 @@ class _Seq:
     @property
     def blend(self) -> bool:
         return self.load.job.policy.kind == "cacheblend"
+
+
+@dataclass(eq=False)
+class LinkPass:
+    """A batched link under way (Linker.begin, then advance until done): its requests, the next layer to run
+    and what is carried to it. Its requests' K/V live in the linker's workspace."""
+
+    seqs: list[_Seq]
+    device: torch.device
+    h: torch.Tensor  # [n, hidden]: the packed rows of every request's R entering `layer`
+    residual: torch.Tensor | None
+    plan: object | None  # the kernel plan of the requests with s.paged (None: none)
+    layer: int = 0  # the next layer to run
+
+    @property
+    def loads(self) -> list[LinkLoad]:
+        return [s.load for s in self.seqs]
 
 
 class _LinkAttention(torch.nn.Module):
@@ -211,58 +229,49 @@ class Linker:
     def cache_of(self, li: int) -> torch.Tensor:
         return self.kv_caches[self.attn[li][2].layer_name]
 
-    @torch.inference_mode()
     def link_many(self, loads: list[LinkLoad]) -> None:
-        """Fill positions [start, end) of each request's paged KV in every layer, recomputing all the
-        requests together (one decoder-layer call per layer). A request whose own data is invalid is
-        failed alone (job.error) before the batched pass; an exception raised by the batched pass is
-        re-raised: the pages of every request of that pass are then unfilled or partly filled, and the
-        caller fails them all."""
-        if not loads:
-            return
+        """Link every load to the end: pass after pass (begin, then advance without a deadline)."""
+        while loads:
+            p, loads = self.begin(loads)
+            if p is not None:
+                self.advance(p)
+
+    @torch.inference_mode()
+    def begin(self, loads: list[LinkLoad]) -> tuple[LinkPass | None, list[LinkLoad]]:
+        """Start one batched pass with the first of `loads` that fit the workspace together. A request whose
+        own data is invalid is failed alone here (job.error) and left out. Returns the pass (None when every
+        load taken failed its checks) and the loads left for later passes. One pass at a time: its K/V live
+        in the workspace until it is done."""
         device = self.cache_of(0).device
-        seqs = []
-        for load in loads:
+        seqs: list[_Seq] = []
+        used = 0
+        for i, load in enumerate(loads):
+            T = len(load.job.token_ids)
+            if seqs and used + T > self.workspace_tokens:
+                return self._start(seqs, device), loads[i:]
             try:
                 seqs.append(self._check(load, device))
+                used += T
             except Exception as e:
                 self._fail(load.job, e)
-        for group in self._passes(seqs):
-            self._link_pass(group, device)
+        return (self._start(seqs, device) if seqs else None), []
 
-    def _passes(self, seqs: list[_Seq]) -> list[list[_Seq]]:
-        """The requests split, in order, into passes that each fit the workspace."""
-        groups: list[list[_Seq]] = [[]]
-        used = 0
-        for s in seqs:
-            T = len(s.load.job.token_ids)
-            if groups[-1] and used + T > self.workspace_tokens:
-                groups.append([])
-                used = 0
-            groups[-1].append(s)
-            used += T
-        return [g for g in groups if g]
-
-    def _link_pass(self, seqs: list[_Seq], device) -> None:
-        """One batched pass: the requests' cached KV into the workspace (keys rotated to their linked
-        positions), then the recompute over all of them. Left uninitialised: every position outside the spans
-        is in R and is written by the shim before any read."""
-        first = self.attn[0][2]
-        L, Hk, D = len(self.layers), first.num_kv_heads, first.head_size
-        ok, off = [], 0
-        for s in seqs:
-            T = len(s.load.job.token_ids)
-            n = T * self._token_numel
-            s.K, s.V = self._ws[off : off + n].view(2, L, Hk, T, D).unbind(0)  # [L, Hkv, T, D] each
-            off += n
-            try:
-                self._fill(s, device)
-                ok.append(s)
-            except Exception as e:
-                self._fail(s.load.job, e)
-        if ok:
-            self.batch_sizes[len(ok)] += 1
-            self._recompute(ok, device)
+    @torch.inference_mode()
+    def advance(self, p: LinkPass, deadline: float | None = None) -> bool:
+        """Run the pass's next decoder layers, all of them, or until `deadline` (time.perf_counter(); at least
+        one layer a call). True once every layer has run: its requests' pages are then filled. An exception
+        leaves the pages of every request of the pass unfilled or partly filled: the caller fails them all.
+        On a GPU the deadline counts host time (the kernels queued), not the device's."""
+        while p.layer < len(self.layers):
+            self._layer(p, p.layer)
+            p.layer += 1
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+        if p.layer < len(self.layers):
+            return False
+        for s in p.seqs:
+            s.load.job.recomputed = int(len(s.R))
+        return True
 
     @staticmethod
     def _fail(job: LinkJob, e: Exception) -> None:
@@ -270,25 +279,49 @@ class Linker:
         job.error = f"{type(e).__name__}: {e}"
 
     def _check(self, load: LinkLoad, device) -> _Seq:
-        """One request's recompute set and masks, checked against its own data."""
+        """One request's recompute set and masks, checked against its own data (its spans too: a pass fills
+        them layer by layer, when a failure would take the whole pass down)."""
         job = load.job
         T = len(job.token_ids)
         assert 0 <= load.start <= load.end <= T, (load.start, load.end, T)
         assert len(load.block_ids) * self.block_size >= load.end, (len(load.block_ids), load.end)
         if T > self.workspace_tokens:
             raise ValueError(f"a link of {T} tokens exceeds the linker's workspace of {self.workspace_tokens} tokens")
+        first = self.attn[0][2]
+        for sp in job.spans:
+            n = sp.kv.num_tokens
+            want = (len(self.layers), n, first.num_kv_heads, first.head_size)  # [L, n, Hkv, D]
+            if tuple(sp.kv.k.shape) != want or tuple(sp.kv.v.shape) != want:
+                raise ValueError(f"span at {sp.start}: K/V of shape {tuple(sp.kv.k.shape)}, expected {want}")
+            if not 0 <= sp.start <= sp.start + n <= T:
+                raise ValueError(f"span [{sp.start}, {sp.start + n}) outside the prompt's {T} tokens")
+            self.rotator.check_shift(sp.start - sp.kv.base_pos)
         R = job.initial_recompute().to(device)  # [nR]
         cached, candidate = (m.to(device) for m in job.masks())  # [T] each
         assert bool((cached | torch.isin(torch.arange(T, device=device), R)).all()), "uncached token not recomputed"
         return _Seq(load, R, cached, candidate)
 
-    def _fill(self, s: _Seq, device) -> None:
-        """The request's buffers: every span's cached KV, keys rotated to where the span sits."""
+    def _start(self, seqs: list[_Seq], device) -> LinkPass:
+        """A pass over `seqs`: their K/V buffers carved from the workspace (left uninitialised: every position
+        outside the spans is in R and is written by the shim before any read), the packed rows embedded."""
+        first = self.attn[0][2]
+        L, Hk, D = len(self.layers), first.num_kv_heads, first.head_size
+        off = 0
+        for s in seqs:
+            n = len(s.load.job.token_ids) * self._token_numel
+            s.K, s.V = self._ws[off : off + n].view(2, L, Hk, -1, D).unbind(0)  # [L, Hkv, T, D] each
+            off += n
+        self.batch_sizes[len(seqs)] += 1
+        ids = torch.cat([torch.tensor(s.load.job.token_ids, device=device)[s.R] for s in seqs])  # [n]
+        return LinkPass(seqs, device, self._embed(ids), None, self._plan(seqs, self.cache_of(0)))
+
+    def _fill(self, s: _Seq, li: int, device) -> None:
+        """Layer li of the request's buffers: every span's cached KV, keys rotated to where the span sits."""
         for sp in s.load.job.spans:
             n = sp.kv.num_tokens
-            rk = self.rotator.rotate(to_device(sp.kv.k, device), sp.start - sp.kv.base_pos)  # [L, n, Hkv, D]
-            s.K[:, :, sp.start : sp.start + n] = rk.transpose(1, 2)
-            s.V[:, :, sp.start : sp.start + n] = to_device(sp.kv.v, device).transpose(1, 2)
+            rk = self.rotator.rotate(to_device(sp.kv.k[li], device), sp.start - sp.kv.base_pos)  # [n, Hkv, D]
+            s.K[li, :, sp.start : sp.start + n] = rk.transpose(0, 1)
+            s.V[li, :, sp.start : sp.start + n] = to_device(sp.kv.v[li], device).transpose(0, 1)
 
     def _plan(self, seqs: list[_Seq], cache: torch.Tensor) -> object | None:
         """Mark which requests attend with the kernel from here on, and one plan for all of them (None: none)."""
@@ -300,38 +333,34 @@ class Linker:
         kern = [(s.load.block_ids, s.R) for s in seqs if s.paged]
         return self.layout.attention_plan(cache, kern, first) if kern else None
 
-    def _recompute(self, seqs: list[_Seq], device) -> None:
-        """The batched pass: each decoder layer once over every request's R, packed in `seqs` order."""
-        ids = torch.cat([torch.tensor(s.load.job.token_ids, device=device)[s.R] for s in seqs])  # [n]
-        h = self._embed(ids)  # [n, hidden]
-        residual = None
-        plan = self._plan(seqs, self.cache_of(0))
-        for li, layer in enumerate(self.layers):
-            cache = self.cache_of(li)
-            paged = [s.paged for s in seqs]  # this layer's paths (CacheBlend may change them for the next)
-            for s, p in zip(seqs, paged):
-                if p:  # cached KV into the pages first: the kernel reads it from there
-                    self._write_pages(s, li, cache)
-            blend_here = li == CHECK_LAYER and any(s.blend for s in seqs)
-            if len(h):
-                parent, attr, real = self.attn[li]
-                shim = _LinkAttention(
-                    real, li, seqs, keep_old=blend_here, paged=None if plan is None else (self.layout, plan, cache)
-                )
-                setattr(parent, attr, shim)
-                try:
-                    positions = torch.cat([s.R for s in seqs])  # [n]
-                    h, residual = vllm_api.decoder_layer_forward(layer, positions, h, residual)
-                finally:
-                    setattr(parent, attr, real)
-                if blend_here:
-                    h, residual = self._blend_select(seqs, li, h, residual, self.reduce)
-                    plan = self._plan(seqs, cache)
-            for s, p in zip(seqs, paged):
-                if not p:  # attention ran over the buffers: they hold the layer's final K/V
-                    self._write_pages(s, li, cache)
+    def _layer(self, p: LinkPass, li: int) -> None:
+        """Layer li of the pass: its cached KV into the buffers, the decoder layer once over every request's R
+        (packed in `seqs` order), the layer's K/V into the pages."""
+        seqs, cache = p.seqs, self.cache_of(li)
         for s in seqs:
-            s.load.job.recomputed = int(len(s.R))
+            self._fill(s, li, p.device)
+        paged = [s.paged for s in seqs]  # this layer's paths (CacheBlend may change them for the next)
+        for s, on in zip(seqs, paged):
+            if on:  # cached KV into the pages first: the kernel reads it from there
+                self._write_pages(s, li, cache)
+        blend_here = li == CHECK_LAYER and any(s.blend for s in seqs)
+        if len(p.h):
+            parent, attr, real = self.attn[li]
+            shim = _LinkAttention(
+                real, li, seqs, keep_old=blend_here, paged=None if p.plan is None else (self.layout, p.plan, cache)
+            )
+            setattr(parent, attr, shim)  # the step's forward never sees it: restored before returning
+            try:
+                positions = torch.cat([s.R for s in seqs])  # [n]
+                p.h, p.residual = vllm_api.decoder_layer_forward(self.layers[li], positions, p.h, p.residual)
+            finally:
+                setattr(parent, attr, real)
+            if blend_here:
+                p.h, p.residual = self._blend_select(seqs, li, p.h, p.residual, self.reduce)
+                p.plan = self._plan(seqs, cache)
+        for s, on in zip(seqs, paged):
+            if not on:  # attention ran over the buffers: they hold the layer's final K/V
+                self._write_pages(s, li, cache)
 
     def _write_pages(self, s: _Seq, li: int, cache: torch.Tensor) -> None:
         """The request's buffered K/V of layer li at [start, end) into its pages."""

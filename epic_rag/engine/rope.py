@@ -55,12 +55,16 @@ class KeyRotator:
             self._tables[device] = (self.cos.to(device), self.sin.to(device))
         return self._tables[device]
 
+    def check_shift(self, delta: int) -> None:
+        """Raises RopeError unless keys can be rotated by `delta` positions."""
+        if not abs(delta) < self.max_position:
+            raise RopeError(f"position shift {delta} outside the rotary table (|shift| < {self.max_position})")
+
     def rotate(self, k: torch.Tensor, delta: int) -> torch.Tensor:
         """k: [..., T, H, D] post-RoPE keys -> the same keys rotated by `delta` positions (fp32)."""
         if delta == 0:
             return k.float()
-        if not abs(delta) < self.max_position:
-            raise RopeError(f"position shift {delta} outside the rotary table (|shift| < {self.max_position})")
+        self.check_shift(delta)
         k = k.float()
         cos_t, sin_t = self.tables(k.device)
         # R(-d) = R(d) transposed: same cos, negated sin (a chunk compiled behind sink tokens may land at 0).

@@ -124,7 +124,7 @@ class Runtime:
 
     def idle(self) -> bool:
         """True when no request is in flight: none waiting for output here, none unfinished in vLLM."""
-        return not self._sinks and not self.llm.has_unfinished_requests()
+        return not self._sinks and not vllm_api.has_work(self.llm)
 
     def in_flight(self) -> int:
         """Requests submitted and not finished (their output still streams to a sink)."""
@@ -170,7 +170,7 @@ class Runtime:
         try:
             while not self._stop:
                 self._drain()
-                if not self.llm.has_unfinished_requests():
+                if not vllm_api.has_work(self.llm):
                     self.trimmer.on_idle()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()

@@ -30,7 +30,12 @@ Internals (read from vLLM 0.32.0's source; nothing guarantees them):
 - `get_tensor_model_parallel_rank/world_size` and `tensor_model_parallel_all_reduce` (tp_rank_size,
   tp_all_reduce): ranks agree on what a link recomputes, so their decoder layers' collectives stay in step;
 - `KVConnectorWorkerMetadata` and the order of `Scheduler.update_from_output`: a step's finished requests are
-  freed (request_finished) before its connector output is read (update_connector_output).
+  freed (request_finished) before its connector output is read (update_connector_output);
+- asynchronous loads: a request waits in WAITING_FOR_REMOTE_KVS, with no step scheduling anything for it,
+  until `get_finished` names it, failed blocks reported no later than that step (async links); the model
+  runner calls `bind_connector_metadata` before the forward and `start_load_kv` after it when the step has no
+  synchronous load, and in steps with no forward too (the link's time budget); an in-process LLMEngine's
+  `engine_core.engine_core.scheduler.has_requests()` (has_work).
 """
 
 from __future__ import annotations
@@ -100,11 +105,27 @@ def new_llm_engine(model_dir: str, dtype: str, config, extra: dict[str, Any]) ->
             kv_connector="EpicConnector",
             kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_both",
-            kv_connector_extra_config={"workspace_tokens": ws_tokens, **extra},
+            kv_connector_extra_config={
+                "workspace_tokens": ws_tokens,
+                "async_links": config.async_links,
+                "link_step_share": config.link_step_share,
+                **extra,
+            },
         ),
         worker_extension_cls=f"{CONNECTOR_MODULE}.EpicWorkerExtension",
     )
     return LLMEngine.from_engine_args(args)
+
+
+def has_work(llm) -> bool:
+    """Whether the engine must keep stepping: a request unfinished, or (in-process) one the scheduler still
+    holds after it finished, e.g. aborted while its asynchronous link runs (its blocks are released when the
+    link reports done, in a later step). A core in its own process steps by itself for those."""
+    if llm.has_unfinished_requests():
+        return True
+    core = getattr(getattr(llm, "engine_core", None), "engine_core", None)  # InprocClient -> EngineCore
+    scheduler = getattr(core, "scheduler", None)
+    return scheduler is not None and scheduler.has_requests()
 
 
 def link_workspace_bytes(model_dir: str, dtype: str, tokens: int, tensor_parallel_size: int = 1) -> int:
