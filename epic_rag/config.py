@@ -58,9 +58,8 @@ class EngineConfig:
             raise ValueError(f"heap_trim_s must be a number of seconds >= 0, got {self.heap_trim_s!r}")
         if not isinstance(self.async_links, bool):
             raise ValueError(f"async_links must be true or false, got {self.async_links!r}")
-        if isinstance(self.link_step_share, bool) or not isinstance(self.link_step_share, (int, float)):
-            raise ValueError(f"link_step_share must be a number >= 0, got {self.link_step_share!r}")
-        if not self.link_step_share >= 0:
+        share = self.link_step_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not share >= 0:
             raise ValueError(f"link_step_share must be a number >= 0, got {self.link_step_share!r}")
         if not isinstance(self.link_workspace_tokens, int) or self.link_workspace_tokens < 0:
             raise ValueError(f"link_workspace_tokens must be an int >= 0, got {self.link_workspace_tokens!r}")

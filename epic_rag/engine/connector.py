@@ -449,7 +449,11 @@ class EpicConnector(KVConnectorBase_V1):
             if missing:
                 then = "the request fails" if job.error else "their tokens are recomputed"
                 log.warning("request %s: %d chunk(s) not in the store: %s", load.req_id, len(missing), then)
-            self._queue.append(_Link(load, LinkLoad(job, load.block_ids, load.start, load.end), missing))
+            link = _Link(load, LinkLoad(job, load.block_ids, load.start, load.end), missing)
+            if job.error is not None:  # failed already: reported now, never queued behind a pass
+                self._report([link])
+            else:
+                self._queue.append(link)
         if not self._queue and self._pass is None:
             return
         deadline = None
@@ -470,16 +474,14 @@ class EpicConnector(KVConnectorBase_V1):
     def _link(self, deadline: float | None) -> None:
         """Start passes and advance them until none is left or `deadline` passes (None: to the end)."""
         while self._pass is not None or self._queue:
-            if self._pass is None:
-                ready = [x for x in self._queue if x.load.job.error is None]
+            if self._pass is None:  # the queue's first loads that fit the workspace (begin returns the rest)
                 try:
-                    p, rest = self.linker.begin([x.load for x in ready])
+                    p, rest = self.linker.begin([x.load for x in self._queue])
                 except Exception as e:  # never crash the engine step: these requests are failed
                     self._fail_all(self._queue, e)
                     p, rest = None, []
-                left = {id(ld) for ld in rest}
-                self._pass = (p, [x for x in self._queue if id(x.load) not in left])
-                self._queue = [x for x in self._queue if id(x.load) in left]
+                taken = len(self._queue) - len(rest)
+                self._pass, self._queue = (p, self._queue[:taken]), self._queue[taken:]
             p, links = self._pass
             try:
                 if p is not None and not self.linker.advance(p, deadline):

@@ -95,10 +95,6 @@ class LinkPass:
     plan: object | None  # the kernel plan of the requests with s.paged (None: none)
     layer: int = 0  # the next layer to run
 
-    @property
-    def loads(self) -> list[LinkLoad]:
-        return [s.load for s in self.seqs]
-
 
 class _LinkAttention(torch.nn.Module):
     """Stands in for vLLM's Attention during the sparse forward of one layer over a packed batch.
@@ -240,8 +236,8 @@ class Linker:
     def begin(self, loads: list[LinkLoad]) -> tuple[LinkPass | None, list[LinkLoad]]:
         """Start one batched pass with the first of `loads` that fit the workspace together. A request whose
         own data is invalid is failed alone here (job.error) and left out. Returns the pass (None when every
-        load taken failed its checks) and the loads left for later passes. One pass at a time: its K/V live
-        in the workspace until it is done."""
+        load taken failed its checks) and the loads left for later passes (the tail of `loads`). One pass at a
+        time: its K/V live in the workspace until it is done."""
         device = self.cache_of(0).device
         seqs: list[_Seq] = []
         used = 0
