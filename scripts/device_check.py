@@ -451,9 +451,17 @@ def attention_setup(device, dtype, T, seed=3):
     real = SimpleNamespace(num_heads=HQ, num_kv_heads=HK, head_size=D, impl=SimpleNamespace(scale=scale))
 
     def buffer_path():
-        # One request, one layer: buffers [L=1, Hkv, T, D] (R on the host, as the linker keeps it); no job.
-        seq = _Seq(load=None, R=R.cpu(), cached=None, candidate=None, K=K0.clone()[None], V=V0.clone()[None])
-        linker = SimpleNamespace(attn=[(None, None, real)], cache_of=lambda li: None)
+        # One request, one layer, on the buffer path: the linker gathers the layer's K/V from its pages (here the
+        # cached K0/V0, [T, Hkv, D]) and the shim writes R's fresh K/V in; R lives on the host, as in the linker.
+        Kb, Vb = K0.transpose(0, 1).contiguous(), V0.transpose(0, 1).contiguous()
+        load = SimpleNamespace(job=SimpleNamespace(token_ids=range(T)), block_ids=None)
+        seq = _Seq(load=load, R=R.cpu(), cached=None, candidate=None)
+        linker = SimpleNamespace(
+            attn=[(None, None, real)],
+            cache_of=lambda li: None,
+            gather=lambda cache, block_ids, n: (Kb[:n], Vb[:n]),
+            layout=SimpleNamespace(write=lambda *a: None),  # the pages' copy of R's K/V: none here
+        )
         shim = _LinkAttention(linker, 0, SimpleNamespace(seqs=[seq], plan=None, kernel_rows=None))
         return shim(q.to(dtype).reshape(nR, -1), k.to(dtype).reshape(nR, -1), v.to(dtype).reshape(nR, -1))
 

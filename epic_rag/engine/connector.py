@@ -77,6 +77,7 @@ class LoadSpec:
     block_ids: list[int]
     start: int
     end: int
+    tail: list[int] = field(default_factory=list)  # prompt[claim:]: the probe of query-aware links
 
 
 @dataclass(slots=True)
@@ -256,7 +257,8 @@ class EpicConnector(KVConnectorBase_V1):
             if st.load_pending:  # claimed positions [claim - n_ext, claim): vLLM's own prefix hits come first
                 claim, link = st.link.cut(len(st.prompt))
                 block_ids = vllm_api.block_ids_of(self._kvm, req_id)
-                meta.loads.append(LoadSpec(req_id, link, st.prompt[:claim], block_ids, claim - st.n_ext, claim))
+                tail = st.prompt[claim:] if link.policy.kind == "query" else []
+                meta.loads.append(LoadSpec(req_id, link, st.prompt[:claim], block_ids, claim - st.n_ext, claim, tail))
                 st.load_pending = False
         for req_id, num_computed in vllm_api.scheduled_steps(scheduler_output):
             st = self._active.get(req_id)
@@ -413,7 +415,7 @@ class EpicConnector(KVConnectorBase_V1):
                 missing.append(s.key)
                 continue
             spans.append(LinkSpan(s.start, kv.slice(s.offset, s.offset + s.n), s.exact))
-        job = LinkJob(load.token_ids, spans, load.link.policy, error=err)
+        job = LinkJob(load.token_ids, spans, load.link.policy, error=err, tail=load.tail)
         if missing and err is None and load.link.on_missing == "fail":
             job.error = f"chunk records missing or damaged: {', '.join(missing)}"
         return job, [] if err else missing

@@ -12,9 +12,9 @@ model's own decoder layer runs ONCE on the recompute sets R of all the pass's re
 another, with the attention module swapped for `_LinkAttention` (architecture details stay in vLLM's model
 code; the swap is undone before the step's forward runs), which writes R's fresh K/V into the pages and
 attends with the backend's own kernel, one call for the whole pass. Buffer path (CPU layouts only, where the
-kernel would re-read the prefix once per run): the request's K/V buffer for positions [0, T) is filled (chunk
-KV rotated; below `start`, the pages' KV), it attends over its buffer with a position-causal mask, and the
-buffer is written into its pages after the layer.
+kernel would re-read the prefix once per run): the request's pages are filled the same way; per layer they are
+gathered into a token-major buffer for positions [0, T), R's fresh K/V written into the buffer and the pages,
+and its queries attend over the buffer with a position-causal mask.
 
 Recompute sets (R always holds every token without a cache: template glue, system prompt):
 - naive: nothing else;  legolink-k: the first k tokens of each chunk's span (its sink token first where
@@ -37,7 +37,7 @@ import torch
 
 from ..policy import Policy
 from . import vllm_api
-from .jobs import LinkJob
+from .jobs import QUERY_FLOOR, LinkJob
 from .layout import KVLayout, host_to_device, slots_for
 from .rope import KeyRotator
 from .stage import FillPlan, make_filler
@@ -47,17 +47,6 @@ log = logging.getLogger(__name__)
 CHECK_LAYER = 1  # CacheBlend selects its tokens from the deviation at this layer
 ATTN_BUCKET = 256  # recompute queries are grouped by position // ATTN_BUCKET for the sparse attention
 WORKSPACE_PROMPTS = 2  # the workspace's default size, in whole prompts of max_model_len tokens
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A chunk's KV on the linker's device. To a GPU: from page-locked host memory, asynchronously (the copy
-    overlaps the rotation and recompute queued behind it on the stream; a pageable tensor is first copied
-    into torch's caching pinned-memory pool, which keeps the block until the copy is done)."""
-    if t.device == device:
-        return t
-    if device.type == "cuda":
-        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass(slots=True)
@@ -78,21 +67,30 @@ class _Seq:
     R: torch.Tensor  # [nR] int64 on the host, sorted, >= load.start: positions recomputed from the current layer on
     cached: torch.Tensor  # [T] bool (host): positions with chunk KV
     candidate: torch.Tensor  # [T] bool (host): positions CacheBlend may pick
-    K: torch.Tensor | None = None  # [L, Hkv, T, D] (head-major, the cache's dtype): buffer path, a workspace view
-    V: torch.Tensor | None = None  # [L, Hkv, T, D]
-    slots: torch.Tensor | None = None  # [end - start] int64 on the cache's device: buffer path's page writes
+    slots: torch.Tensor | None = None  # [nR] int64 on the cache's device: R's slots (buffer path's page writes)
     paged: bool = False  # attends with the kernel (from the current layer on)
     dev: torch.Tensor | None = None  # [nR] CacheBlend's key deviation at CHECK_LAYER (on the device)
+    probe: int = 0  # query-<r>'s probe rows (the prompt's tail) packed after R's, while its probe pass runs
+    score: torch.Tensor | None = None  # [T] fp32 on the device: the attention the tail gave each position
 
     @property
     def blend(self) -> bool:
         return self.load.job.policy.kind == "cacheblend"
 
+    @property
+    def query(self) -> bool:
+        return self.load.job.policy.kind == "query"
+
+    @property
+    def rows(self) -> int:
+        """Packed rows of this request in the current pass: its R, then its probe rows."""
+        return len(self.R) + self.probe
+
 
 @dataclass(eq=False)
 class LinkPass:
     """A batched link under way (Linker.begin, then advance until done): its requests, the next layer to run
-    and what is carried to it. Buffer-path requests' K/V live in the linker's workspace."""
+    and what is carried to it."""
 
     seqs: list[_Seq]
     device: torch.device
@@ -103,6 +101,7 @@ class LinkPass:
     plan: object | None = None  # the kernel plan of the requests with s.paged (None: none attends)
     kernel_rows: torch.Tensor | None = None  # [nk] on the device: the packed rows of those requests (None: all)
     layer: int = 0  # the next layer to run
+    probing: bool = False  # query-<r> requests' probe pass runs: their main pass follows it
 
 
 class _LinkAttention(torch.nn.Module):
@@ -112,7 +111,9 @@ class _LinkAttention(torch.nn.Module):
     and attends each request's queries over its own positions <= theirs: kernel requests over their pages
     (R's fresh K/V written there by the kernel call, one for all of them), buffer requests over their K/V
     buffers (R's fresh K/V stored there first). At CacheBlend's check layer it also measures, per blend
-    request, how far the fresh keys at R are from the cached ones.
+    request, how far the fresh keys at R are from the cached ones. A query-<r> request's probe rows (its
+    prompt's tail, after its R) attend over the layer's linked KV and their own, and add the attention they
+    give each position to its score.
     """
 
     def __init__(self, linker: Linker, li: int, p: LinkPass, blend_check: bool = False) -> None:
@@ -127,25 +128,25 @@ class _LinkAttention(torch.nn.Module):
         linker, p, cache = self.linker, self.p, self.linker.cache_of(self.li)
         kh, vh = k.view(-1, Hk, D), v.view(-1, Hk, D)  # [n, Hkv, D], n = sum of the requests' nR
         out = None if p.plan is not None and p.kernel_rows is None else q.new_empty((q.shape[0], Hq * D))
-        off = 0
+        off, probes = 0, []
         for s in p.seqs:
             R, n = s.R, len(s.R)
             rows = slice(off, off + n)
-            off += n
+            if s.probe:
+                probes.append((s, slice(off + n, off + s.rows)))
+            off += s.rows
             if n == 0:
                 continue
-            if self.blend_check and s.blend:  # cached keys at R (pages or buffer), before the fresh ones land
-                if s.paged:
-                    old = linker.layout.read(cache, linker.slots_of(s, R))[0]  # [nR, Hkv, D]
-                else:
-                    old = s.K[self.li][:, R].transpose(0, 1)
+            if self.blend_check and s.blend:  # cached keys at R, before the fresh ones land
+                old = linker.layout.read(cache, linker.slots_of(s, R))[0]  # [nR, Hkv, D]
                 s.dev = (kh[rows].to(cache.dtype) - old).float().pow(2).sum(dim=(1, 2))  # [nR]
             if s.paged:
                 continue
-            K, V = s.K[self.li], s.V[self.li]  # [Hkv, T, D]
-            K[:, R] = kh[rows].transpose(0, 1).to(K.dtype)
-            V[:, R] = vh[rows].transpose(0, 1).to(V.dtype)
-            out[rows] = self._attend_buffers(q[rows], K, V, R)
+            T = len(s.load.job.token_ids)
+            K, V = linker.gather(cache, s.load.block_ids, T)  # [T, Hkv, D] views of the linker's buffer
+            K[R], V[R] = kh[rows].to(K.dtype), vh[rows].to(V.dtype)
+            linker.layout.write(cache, s.slots, kh[rows], vh[rows])
+            out[rows] = self._attend_buffers(q[rows], K.transpose(0, 1), V.transpose(0, 1), R)
         if p.plan is not None:
             # One kernel call for every kernel request (3x faster than the batched matmuls, measured); the
             # plan's runs follow the packing of exactly these rows.
@@ -154,7 +155,29 @@ class _LinkAttention(torch.nn.Module):
             else:
                 idx = p.kernel_rows
                 out[idx] = linker.layout.attend(p.plan, self.real, cache, q[idx], k[idx], v[idx]).to(q.dtype)
+        for s, rows in probes:  # after R's fresh K/V are in place (pages or buffers)
+            out[rows] = self._probe(s, q[rows], kh[rows], vh[rows], cache)
         return out
+
+    def _probe(self, s: _Seq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """A query-<r> request's tail rows (positions T, T+1, ...) over the layer's KV of positions [0, T) and
+        their own, causally; the attention they give each position < T is added to its score (the mean over
+        the tail's rows and the query heads: one unit per layer).
+        # q: [nq, Hq*D], k, v: [nq, Hkv, D] -> [nq, Hq*D]"""
+        Hq, Hk, D = self.num_heads, self.num_kv_heads, self.head_size
+        G, nq, T = Hq // Hk, len(q), len(s.load.job.token_ids)
+        Kc, Vc = self.linker.gather(cache, s.load.block_ids, T)  # [T, Hkv, D]: vLLM's KV below start, the link's
+        K = torch.cat([Kc, k.to(Kc.dtype)]).float().permute(1, 2, 0)  # [Hkv, D, T + nq]
+        V = torch.cat([Vc, v.to(Vc.dtype)]).float().transpose(0, 1)  # [Hkv, T + nq, D]
+        qh = q.view(nq, Hk, G, D).permute(1, 2, 0, 3).float().reshape(Hk, G * nq, D)
+        scores = torch.bmm(qh, K).mul_(self.scale).view(Hk, G, nq, T + nq)
+        blocked = torch.ones((nq, nq), dtype=torch.bool).triu_(1).to(scores.device)  # a row sees tail keys <= it
+        scores[..., T:].masked_fill_(blocked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [Hkv, G, nq, T + nq]
+        mass = probs[..., :T].sum(dim=(0, 1, 2)) / (Hq * nq)  # [T]
+        s.score = mass if s.score is None else s.score.add_(mass)
+        out = torch.bmm(probs.view(Hk, G * nq, T + nq), V)  # [Hkv, G * nq, D]
+        return out.view(Hk, G, nq, D).permute(2, 0, 1, 3).reshape(nq, Hq * D).to(q.dtype)
 
     def _attend_buffers(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
         """One request's queries at positions R over its buffers.  # q: [nR, Hq*D], K, V: [Hkv, T, D] -> [nR, Hq*D]"""
@@ -195,9 +218,9 @@ class Linker:
     block_size: int
     layers: list[torch.nn.Module] = field(init=False)
     attn: list[tuple[torch.nn.Module, str, torch.nn.Module]] = field(init=False)
-    # Prompt tokens one recompute pass may hold (summed over its requests): the buffer workspace (CPU layouts)
-    # and the staging (GPU) are allocated for this many once, at attach; a step's links beyond it run in
-    # several passes.
+    # Prompt tokens one recompute pass may hold (summed over its requests): the page filler's staging is
+    # allocated for this many once, at attach (and the gather buffer for one prompt); a step's links beyond it
+    # run in several passes.
     workspace_tokens: int
     # Tensor parallelism: sums a tensor over the ranks (CacheBlend's key deviation is summed over every rank's
     # heads before its picks, so all ranks recompute the same tokens); None on one rank.
@@ -215,23 +238,24 @@ class Linker:
         self.attn = [vllm_api.find_attention(layer) for layer in self.layers]
         self._embed = vllm_api.embed_fn(self.model)
         first, cache = self.attn[0][2], self.cache_of(0)
-        self._token_numel = 2 * len(self.layers) * first.num_kv_heads * first.head_size  # K and V, every layer
-        # The buffer workspace, in the cache's dtype, for layouts whose kernel cannot take every request: its
-        # size is known at start-up and it is allocated now, never grown (first-touch page faults on fresh
-        # buffers were ~40% of a link). FlashAttention takes every request: no workspace.
-        n = self.workspace_tokens * self._token_numel if self.layout.needs_buffers else 0
-        self._ws = torch.empty(n, dtype=cache.dtype, device=cache.device)
+        # One layer of one prompt's K/V gathered from its pages (the buffer path, query-<r>'s probe), allocated
+        # now and never grown (first-touch page faults on fresh buffers were ~40% of a link on CPU).
+        shape = (2, self.workspace_tokens, first.num_kv_heads, first.head_size)
+        self._ws = torch.empty(shape, dtype=cache.dtype, device=cache.device)
         caches = [self.cache_of(li) for li in range(len(self.layers))]
         self.filler = make_filler(self.layout, self.rotator, caches, self.workspace_tokens, self.fused)
 
     @property
     def workspace_nbytes(self) -> int:
-        return self._ws.numel() * self._ws.element_size()
+        """Bytes the linker allocated at attach: its gather buffer and its filler's staging."""
+        return self._ws.numel() * self._ws.element_size() + self.filler.nbytes
 
-    @staticmethod
-    def workspace_bytes(tokens: int, num_layers: int, num_kv_heads: int, head_size: int, dtype_bytes: int) -> int:
-        """Bytes of the K/V buffer workspace for `tokens` prompt tokens of a model of that shape."""
-        return 2 * num_layers * num_kv_heads * head_size * dtype_bytes * tokens
+    def gather(self, cache: torch.Tensor, block_ids: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's K/V of positions [0, T) of one layer, from its pages into the linker's gather buffer (valid
+        until the next gather).  # -> K, V: [T, Hkv, D]"""
+        k, v = self._ws[0, :T], self._ws[1, :T]
+        self.layout.read_range_into(cache, block_ids, 0, T, k, v)
+        return k, v
 
     def cache_of(self, li: int) -> torch.Tensor:
         return self.kv_caches[self.attn[li][2].layer_name]
@@ -284,15 +308,19 @@ class Linker:
         (at least one layer a call). True once every layer has run: its requests' pages are then filled (on a
         GPU: the work is queued on the current stream, ahead of the next forward). An exception leaves the
         pages of every request of the pass unfilled or partly filled: the caller fails them all."""
-        while p.layer < len(self.layers):
+        L = len(self.layers)
+        while p.layer < L:
             self._layer(p, p.layer)
             p.layer += 1
+            if p.layer == L and p.probing:  # query-<r>'s probe pass is done: its main pass follows
+                self._main_pass(p)
             if more is not None and not more():
                 break
-        if p.layer < len(self.layers):
+        if p.layer < L:
             return False
         for s in p.seqs:
-            s.load.job.recomputed = len(s.R)
+            if s.load.job.recomputed == 0:  # query-<r>'s others counted theirs when its probe pass ended
+                s.load.job.recomputed = len(s.R)
         return True
 
     @staticmethod
@@ -331,30 +359,64 @@ class Linker:
         return _Seq(load, R, cached, candidate)
 
     def _start(self, seqs: list[_Seq], device) -> LinkPass:
-        """A pass over `seqs`: the kernel requests' page fills planned (stage.py), the buffer requests' buffers
-        carved from the workspace (left uninitialised: every position outside the spans and below `start` is in
-        R and is written by the shim before any read), the packed rows embedded."""
-        first = self.attn[0][2]
-        L, Hk, D = len(self.layers), first.num_kv_heads, first.head_size
+        """A pass over `seqs`: every request's page fills planned (stage.py), the packed rows embedded. Every
+        position a request owns outside its spans is in R, written by the shim before any read."""
         for s in seqs:
             s.paged = self.layout.can_attend(s.R, s.load.start, s.load.end) or len(s.R) == 0
-        if self.layout.needs_buffers:  # every request: CacheBlend's picks may move one onto buffers later
-            off = 0
-            for s in seqs:
-                n = len(s.load.job.token_ids) * self._token_numel
-                s.K, s.V = self._ws[off : off + n].view(2, L, Hk, -1, D).unbind(0)  # [L, Hkv, T, D] each
-                off += n
-        elif not all(s.paged for s in seqs):
+        if not self.layout.needs_buffers and not all(s.paged for s in seqs):
             raise RuntimeError(f"layout {self.layout.name} has no buffer path and its kernel refused a request")
         self.batch_sizes[len(seqs)] += 1
         fill = FillPlan()
         for s in seqs:
-            if s.paged:
-                self._plan_fill(fill, s)
-        ids = torch.cat([torch.tensor(s.load.job.token_ids)[s.R] for s in seqs])  # [n] (host)
-        p = LinkPass(seqs, device, self._embed(host_to_device(ids, device)), None, self.filler.begin(fill))
+            self._plan_fill(fill, s)
+        for s in seqs:  # query-<r> requests probe first: their tail rows run beside their uncached tokens
+            s.probe = len(s.load.job.tail) if s.query else 0
+        p = LinkPass(seqs, device, None, None, self.filler.begin(fill), probing=any(s.probe for s in seqs))
+        self._embed_rows(p)
         self._plan(p)
         return p
+
+    def _embed_rows(self, p: LinkPass) -> None:
+        """The packed rows entering layer 0: every request's R, then its probe rows (the prompt's tail)."""
+        ids = []
+        for s in p.seqs:
+            ids.append(torch.tensor(s.load.job.token_ids, dtype=torch.int64)[s.R])
+            if s.probe:
+                ids.append(torch.tensor(s.load.job.tail, dtype=torch.int64))
+        p.h, p.residual = self._embed(host_to_device(torch.cat(ids), p.device)), None  # [n, hidden]
+
+    def _main_pass(self, p: LinkPass) -> None:
+        """After query-<r>'s probe pass: each query request keeps its uncached tokens, its chunks' first
+        QUERY_FLOOR tokens and the top ratio of its chunk tokens by the attention its tail gave them (summed
+        over the layers; under tensor parallelism over every rank's heads), and those run through every layer
+        again. The other requests are done: their count is taken, their rows leave the pass. The pages hold
+        every layer's linked KV already; the picks' fresh K/V replace it layer by layer. Reads the picks on
+        the host (they decide the kernel plan)."""
+        for s in p.seqs:
+            if not s.query:  # done: nothing more is attended, filled or written for it
+                s.load.job.recomputed, s.R, s.paged = len(s.R), s.R[:0], True
+                continue
+            s.R, s.probe, s.score = self._query_picks(s), 0, None
+        p.probing, p.layer, p.fill = False, 0, None
+        self._embed_rows(p)
+        self._plan(p)
+
+    def _query_picks(self, s: _Seq) -> torch.Tensor:
+        """A query request's main-pass recompute set.  # -> [nR] int64 (host), sorted"""
+        job, a0 = s.load.job, s.load.start
+        score = s.score if self.reduce is None else self.reduce(s.score)
+        cand = s.candidate.clone()
+        cand[:a0] = False
+        keep = ~s.cached
+        keep[:a0] = False
+        for sp in job.spans:  # each chunk's head floor
+            if not sp.exact:
+                keep[max(sp.start, a0) : sp.start + min(QUERY_FLOOR, sp.kv.num_tokens)] = True
+        n_pick = int(round(job.policy.ratio * int(cand.sum())))
+        if n_pick > 0:
+            ranked = torch.where(host_to_device(cand, score.device), score, torch.full_like(score, -1.0))
+            keep[torch.topk(ranked, n_pick).indices.cpu()] = True
+        return torch.nonzero(keep).flatten()
 
     def _plan_fill(self, fill: FillPlan, s: _Seq) -> None:
         """The request's span rows inside [start, end) into the pass's fill plan."""
@@ -365,25 +427,6 @@ class Linker:
                 kv = sp.kv.slice(a - sp.start, b - sp.start)
                 fill.add(kv.k, kv.v, a - kv.base_pos, slots_for(s.load.block_ids, torch.arange(a, b), self.block_size))
 
-    def _fill(self, s: _Seq, li: int, device) -> None:
-        """Layer li of a buffer request's buffers: every span's cached KV inside [start, T), keys rotated to where
-        the span sits; below start, the pages' own KV."""
-        a0 = s.load.start
-        if a0 > 0:
-            K, V = s.K[li], s.V[li]  # [Hkv, T, D]
-            self.layout.read_range_into(
-                self.cache_of(li), s.load.block_ids, 0, a0, K[:, :a0].transpose(0, 1), V[:, :a0].transpose(0, 1)
-            )
-        for sp in s.load.job.spans:
-            a = max(sp.start, a0)
-            b = sp.start + sp.kv.num_tokens
-            if a >= b:
-                continue
-            kv = sp.kv.slice(a - sp.start)
-            rk = self.rotator.rotate(to_device(kv.k[li], device), a - kv.base_pos)  # [n, Hkv, D]
-            s.K[li, :, a:b] = rk.transpose(0, 1)
-            s.V[li, :, a:b] = to_device(kv.v[li], device).transpose(0, 1)
-
     def _plan(self, p: LinkPass) -> None:
         """Which requests attend with the kernel from here on, one plan for all of them, and the positions of
         the packed rows (host work, then asynchronous copies)."""
@@ -391,30 +434,33 @@ class Linker:
         for s in p.seqs:
             if s.paged and len(s.R) and not self.layout.can_attend(s.R, s.load.start, s.load.end):
                 s.paged = False  # CacheBlend's picks: too many runs for this layout's kernel
-            if not s.paged and s.slots is None:  # once per request: the per-layer page writes copy nothing
-                s.slots = self.layout.range_slots(cache, s.load.block_ids, s.load.start, s.load.end)
+            if not s.paged:  # R's slots, once per plan: the per-layer page writes build nothing
+                s.slots = self.slots_of(s, s.R)
         kern = [(s.load.block_ids, s.R) for s in p.seqs if s.paged and len(s.R)]
         p.plan = self.layout.attention_plan(cache, kern, self.attn[0][2]) if kern else None
-        p.positions = host_to_device(torch.cat([s.R for s in p.seqs]), p.device)  # [n]
+        pos = []
+        for s in p.seqs:  # [n]: R, then the probe rows at the positions after the claim
+            pos.append(s.R)
+            if s.probe:
+                T = len(s.load.job.token_ids)
+                pos.append(torch.arange(T, T + s.probe))
+        p.positions = host_to_device(torch.cat(pos), p.device)
         p.kernel_rows = None
-        if p.plan is not None and len(kern) < sum(1 for s in p.seqs if len(s.R)):
+        if p.plan is not None and sum(len(s.R) for s in p.seqs if s.paged) < sum(s.rows for s in p.seqs):
             rows, off = [], 0
             for s in p.seqs:
                 if s.paged:
                     rows.append(torch.arange(off, off + len(s.R)))
-                off += len(s.R)
+                off += s.rows
             p.kernel_rows = host_to_device(torch.cat(rows), p.device)
 
     def _layer(self, p: LinkPass, li: int) -> None:
         """Layer li of the pass: its cached KV into the pages (kernel requests) or buffers (buffer requests), the
         decoder layer once over every request's R (packed in `seqs` order), buffers into the pages."""
-        seqs, cache = p.seqs, self.cache_of(li)
-        self.filler.layer(p.fill, li)
-        for s in seqs:
-            if not s.paged:
-                self._fill(s, li, p.device)
-        paged = [s.paged for s in seqs]  # this layer's paths (CacheBlend may change them for the next)
-        blend_here = li == CHECK_LAYER and any(s.blend for s in seqs)
+        seqs = p.seqs
+        if p.fill is not None:  # None in query-<r>'s main pass: the pages hold every layer's linked KV already
+            self.filler.layer(p.fill, li)
+        blend_here = li == CHECK_LAYER and any(s.blend and len(s.R) for s in seqs)
         if len(p.h):
             parent, attr, real = self.attn[li]
             setattr(parent, attr, _LinkAttention(self, li, p, blend_here))  # restored before returning
@@ -425,17 +471,6 @@ class Linker:
             if blend_here:
                 p.h, p.residual = self._blend_select(seqs, p.h, p.residual, self.reduce)
                 self._plan(p)
-        for s, on in zip(seqs, paged):
-            if not on:  # attention ran over the buffers: they hold the layer's final K/V
-                self._write_pages(s, li, cache)
-
-    def _write_pages(self, s: _Seq, li: int, cache: torch.Tensor) -> None:
-        """The request's buffered K/V of layer li at [start, end) into its pages."""
-        a, b = s.load.start, s.load.end
-        K, V = s.K[li], s.V[li]  # [Hkv, T, D]
-        self.layout.write_range(
-            cache, s.load.block_ids, a, b, K[:, a:b].transpose(0, 1), V[:, a:b].transpose(0, 1), slots=s.slots
-        )
 
     @staticmethod
     def _blend_select(seqs: list[_Seq], h, residual, reduce=None):
@@ -450,8 +485,8 @@ class Linker:
                 s.R, s.dev = s.R[idx], None
                 keep.append(idx + off)
             else:
-                keep.append(torch.arange(off, off + n))
-            off += n
+                keep.append(torch.arange(off, off + s.rows))
+            off += n + s.probe
         idx = host_to_device(torch.cat(keep), h.device)  # [n'] rows kept, still in request order
         return h[idx], (residual[idx] if residual is not None else None)
 

@@ -81,10 +81,13 @@ class Filler:
     def layer(self, state: object, li: int) -> None:
         raise NotImplementedError
 
-    @staticmethod
-    def stage_bytes(tokens: int, num_kv_heads: int, head_size: int, dtype_bytes: int) -> int:
-        """Device memory the filler allocates for passes of up to `tokens` rows."""
-        return 0
+    @property
+    def nbytes(self) -> int:
+        """Memory the filler allocated at attach (its staging)."""
+        return sum(t.numel() * t.element_size() for t in self._buffers())
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return []
 
 
 @dataclass(eq=False, slots=True)
@@ -104,6 +107,9 @@ class TorchFiller(Filler):
         # [max_rows, Hkv, D] each, allocated once (first-touch page faults on fresh buffers cost a link ~40%)
         self._k = torch.empty((max_rows, H, C // 2), dtype=caches[0].dtype, device=caches[0].device)
         self._v = torch.empty_like(self._k)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [self._k, self._v]
 
     def begin(self, plan: FillPlan) -> _TorchFill:
         device = self.caches[0].device
@@ -193,7 +199,11 @@ class TritonFiller(Filler):
 
     @staticmethod
     def stage_bytes(tokens: int, num_kv_heads: int, head_size: int, dtype_bytes: int) -> int:
+        """Device memory of the staging ring for passes of up to `tokens` rows (a few KiB beside, for alignment)."""
         return STAGE_SLOTS * 2 * tokens * num_kv_heads * head_size * dtype_bytes
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return list(self._ring)
 
     def _resident(self, t: torch.Tensor) -> bool:
         return t.device == self.device and not self.stage_all

@@ -143,9 +143,9 @@ def has_work(llm) -> bool:
 
 def link_device_bytes(model_dir: str, dtype: str, tokens: int, tensor_parallel_size: int = 1) -> int:
     """GPU memory one worker's linker allocates at attach for passes of `tokens` prompt tokens: the staging
-    ring of its fused page filler (FlashAttention needs no buffer workspace). From the model's config.json
-    (under tensor parallelism a worker holds its share of the KV heads, at least one: vLLM replicates them
-    when there are fewer heads than workers)."""
+    ring of its fused page filler and one layer of one prompt's K/V gathered from its pages (query-<r>'s
+    probe). From the model's config.json (under tensor parallelism a worker holds its share of the KV heads, at
+    least one: vLLM replicates them when there are fewer heads than workers)."""
     import json
     from pathlib import Path
 
@@ -155,7 +155,9 @@ def link_device_bytes(model_dir: str, dtype: str, tokens: int, tensor_parallel_s
     heads = cfg["num_attention_heads"]
     head_size = cfg.get("head_dim") or cfg["hidden_size"] // heads
     kv_heads = max(1, cfg.get("num_key_value_heads", heads) // tensor_parallel_size)
-    return TritonFiller.stage_bytes(tokens, kv_heads, head_size, getattr(torch, dtype).itemsize)
+    dtype_bytes = getattr(torch, dtype).itemsize
+    gather = 2 * tokens * kv_heads * head_size * dtype_bytes
+    return TritonFiller.stage_bytes(tokens, kv_heads, head_size, dtype_bytes) + gather
 
 
 def device_total_memory() -> int:
