@@ -139,7 +139,7 @@ class EpicConnector(KVConnectorBase_V1):
         check_parallelism(vllm_config.parallel_config)
         self.block_size = vllm_config.cache_config.block_size
         self.extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
-        # prompt tokens one batched link pass holds (the linker's workspace; vllm_api.gpu_memory_share counts it)
+        # prompt tokens one batched link pass holds (sizes the linker's buffers; vllm_api.gpu_memory_share counts them)
         default_ws = WORKSPACE_PROMPTS * vllm_config.model_config.max_model_len
         self.workspace_tokens = int(self.extra.get("workspace_tokens", default_ws))
         # Links load asynchronously, a share of each step (module docstring). Not under tensor parallelism:
