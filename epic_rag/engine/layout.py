@@ -206,9 +206,6 @@ class CpuAttnLayout(KVLayout):
     """vLLM CPU_ATTN, ISAs `vec` and `vec16`: per (block, head) K as [D, N] then V as [N, D]."""
 
     READABLE_ISAS = ("vec", "vec16")
-    # Past this many query runs (CacheBlend's scattered picks) the kernel would re-read the whole
-    # prefix once per run; the linker's bucketed attention is cheaper there.
-    MAX_KERNEL_RUNS = 64
 
     def __init__(self, isa: str) -> None:
         if isa not in self.READABLE_ISAS:
@@ -303,9 +300,10 @@ class CpuAttnLayout(KVLayout):
 
     def can_attend(self, R, start, end):
         # Only positions this link owns may be written: [start, end) (below start are shared prefix blocks).
-        if len(R) == 0 or int(R[0]) < start or int(R[-1]) >= end:
-            return False
-        return int((R[1:] != R[:-1] + 1).sum()) + 1 <= self.MAX_KERNEL_RUNS
+        # Any number of runs: scattered picks (one kernel sequence each, re-reading its prefix) measured as
+        # fast as the gathered buffer's bucketed matmuls for cacheblend-15 (675 picks over 4k tokens, Qwen-0.5B:
+        # 7.2 vs 7.1 s) and 1.8x faster for query-20 (878 picks: 4.6 vs 8.3 s).
+        return len(R) > 0 and int(R[0]) >= start and int(R[-1]) < end
 
     def attention_plan(self, cache, seqs, attn):
         plan = RunPlan.build(seqs, cache.shape[2])
