@@ -48,10 +48,22 @@ def sample_segments(tokenizer, s: Sample) -> list:
     return segs
 
 
-def build_samples(tokenizer, n: int | dict[str, int] | None = None, quick: bool = False, tasks=TASKS) -> list[Sample]:
+SPLITS = ("test", "dev")
+DEV_SEED = 7_000  # niah and multidoc dev samples come from other seeds than the test samples
+
+
+def build_samples(
+    tokenizer, n: int | dict[str, int] | None = None, quick: bool = False, tasks=TASKS, split: str = "test"
+) -> list[Sample]:
     """`n` samples per task, or a count per task (default DEFAULT_SAMPLES, QUICK_SAMPLES in quick mode, at
-    small sizes)."""
+    small sizes). `split`: "test", the samples every published table reports; "dev", disjoint ones to tune
+    on (other seeds; the docs functions taken from the other end of their fixed order: disjoint from the
+    test's while the two counts add up to at most the pool, 117 docsqa and 176 open functions), ids "dev-..."."""
     from .pydocqa import PYDOC_MODULES, docsqa_samples, open_samples
+
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    dev = split == "dev"
 
     per_task = n if isinstance(n, dict) else {}
     default = n if isinstance(n, int) else (QUICK_SAMPLES if quick else DEFAULT_SAMPLES)
@@ -61,19 +73,18 @@ def build_samples(tokenizer, n: int | dict[str, int] | None = None, quick: bool 
         n = per_task.get(task, default)
         if task == "niah":
             kw = dict(lengths=(512,), depths=(0.3, 0.7), chunk_tokens=128) if quick else {}
-            out += needle_samples(tokenizer, n=n, **kw)
+            out += needle_samples(tokenizer, n=n, seed=DEV_SEED if dev else 0, **kw)
         elif task == "multidoc":
             kw = dict(ctx_tokens=512, chunk_tokens=128) if quick else {}
-            out += multidoc_samples(tokenizer, n=n, **kw)
+            out += multidoc_samples(tokenizer, n=n, **kw, **({"seed": DEV_SEED} if dev else {}))
         elif task == "docsqa":
-            out += docsqa_samples(tokenizer, n, modules)
+            out += docsqa_samples(tokenizer, n, modules, from_end=dev)
         elif task == "open":
-            out += open_samples(tokenizer, n, modules)
+            out += open_samples(tokenizer, n, modules, from_end=dev)
         else:
             raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
-    if quick:  # smaller prompts under the same names: never taken for full-size results in the same folder
-        for s in out:
-            s.id = f"quick-{s.id}"
+    for s in out:  # quick: smaller prompts under the same names, never taken for full-size results
+        s.id = "quick-" * quick + "dev-" * dev + s.id
     return out
 
 
@@ -290,6 +301,7 @@ def run(
     max_tokens: int = 24,
     open_max_tokens: int | None = None,
     progress: bool = True,
+    split: str = "test",
 ) -> dict:
     """Build the samples, generate what is missing, write accuracy.json, accuracy.md and accuracy.png."""
     from .common import command_line, load_json, machine, save_json
@@ -298,7 +310,7 @@ def run(
     policies = list(policies or ACCURACY_POLICIES)
     if open_max_tokens is None:
         open_max_tokens = QUICK_OPEN_MAX_TOKENS if quick else OPEN_MAX_TOKENS
-    built = build_samples(engine.tokenizer, samples, quick, tasks)
+    built = build_samples(engine.tokenizer, samples, quick, tasks, split)
     rows = run_accuracy(engine, built, policies, out / "accuracy_rows.jsonl", max_tokens, open_max_tokens, progress)
     before = load_json(out, "accuracy") or {}
     commands = before.get("commands", []) if before.get("model") == model else []
@@ -311,6 +323,7 @@ def run(
         "model": model,
         "machine": machine(),
         "commands": commands,
+        "split": split,
         "n_samples": len(built),
         "samples_per_task": dict(n_task),
         "policies": policies,

@@ -121,6 +121,7 @@ def run(args: argparse.Namespace, engine=None) -> Path:
             max_tokens=args.max_tokens,
             open_max_tokens=args.open_max_tokens,
             progress=progress,
+            split=args.split,
         )
     if "sync" in parts:
         rows = L.sync_latency(
@@ -181,6 +182,12 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help=f"accuracy: samples per task (default {DEFAULT_SAMPLES}; --quick {QUICK_SAMPLES}); TASK=N sets one task's",
     )
     b.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS, help="accuracy: tasks to run")
+    b.add_argument(
+        "--split",
+        default="test",
+        choices=["test", "dev"],
+        help="accuracy: the published samples (test) or disjoint ones to tune on (dev: other seeds, other functions)",
+    )
     b.add_argument("--reps", type=int, default=None, help="prompts per policy (default: link 5, sync 3)")
     b.add_argument("--max-tokens", type=int, default=24, help="accuracy: answer length (gold-answer tasks)")
     b.add_argument(

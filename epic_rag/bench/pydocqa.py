@@ -152,12 +152,19 @@ def _stable_order(items: list, salt: str) -> list:
     return sorted(items, key=lambda x: hashlib.sha256(f"{salt}:{x}".encode()).hexdigest())
 
 
-def docsqa_samples(tokenizer, n: int, modules: tuple[str, ...] = tuple(PYDOC_MODULES)) -> list[Sample]:
+def _take(order: list[str], n: int, from_end: bool) -> list[str]:
+    """The first n of a fixed order, or the last n (a dev split disjoint from the first ones)."""
+    return order[::-1][:n] if from_end else order[:n]
+
+
+def docsqa_samples(
+    tokenizer, n: int, modules: tuple[str, ...] = tuple(PYDOC_MODULES), from_end: bool = False
+) -> list[Sample]:
     mods = pydoc_modules(modules)
     by_module = {m.module: m for m in mods}
     picked = {f"{f.module}.{f.name}": f for f in docsqa_candidates(mods)}
     out = []
-    for qual in _stable_order(list(picked), "docsqa")[:n]:
+    for qual in _take(_stable_order(list(picked), "docsqa"), n, from_end):
         f = picked[qual]
         sid = f"docsqa-{qual}"
         rng = random.Random(sid)
@@ -255,13 +262,15 @@ class Retriever:
         return [self.texts[r] for r in rows[0] if r >= 0]
 
 
-def open_samples(tokenizer, n: int, modules: tuple[str, ...] = tuple(PYDOC_MODULES)) -> list[Sample]:
+def open_samples(
+    tokenizer, n: int, modules: tuple[str, ...] = tuple(PYDOC_MODULES), from_end: bool = False
+) -> list[Sample]:
     from epic_rag_demo.config import DemoConfig
 
     cfg = DemoConfig()  # the demo's defaults: chunk size and top k
     mods = pydoc_modules(modules)
     funcs = {f"{f.module}.{f.name}": f for m in mods for f in m.functions}
-    quals = _stable_order(list(funcs), "open")[:n]
+    quals = _take(_stable_order(list(funcs), "open"), n, from_end)
     if not quals:
         return []
     retriever = Retriever.build(tokenizer, modules, cfg.chunk_tokens)
