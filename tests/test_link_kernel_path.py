@@ -480,3 +480,34 @@ def test_the_rope_self_check_leaves_the_models_shared_rotary_table_alone():
     before = r.cos_sin_cache
     rope.self_check(rope.KeyRotator(r), r, 64, 2, torch.bfloat16)
     assert r.cos_sin_cache is before and r.cos_sin_cache.dtype == torch.bfloat16
+
+
+def test_a_request_failing_its_checks_on_another_tensor_parallel_rank_is_failed_on_every_rank():
+    # Ranks must run the same pass (their layers' collectives stay in step): the failure flags are agreed.
+    L = 2
+    model = StubModel(L, 4, 2, 16)
+    g = torch.Generator().manual_seed(4)
+    jobs = [_job(_records(L, 2, 16, torch.float32, g), "legolink-16") for _ in range(2)]
+    T = len(jobs[0].token_ids)
+    caches = _flash_caches(L, 2, 16, 2 * (-(-T // N)) + 1, torch.float32)
+    seen = []
+
+    def other_rank_failed_the_first(flags):
+        seen.append(list(flags))
+        return [True, False]
+
+    ln = linker.Linker(
+        model=model,
+        kv_caches={f"model.layers.{li}.self_attn.attn": c for li, c in enumerate(caches)},
+        layout=FlashAttnLayout(_StubKernels()),
+        rotator=KeyRotator(model.rotary),
+        block_size=N,
+        workspace_tokens=2 * T,
+        agree=other_rank_failed_the_first,
+    )
+    per = -(-T // N)
+    loads = [linker.LinkLoad(j, list(range(i * per, (i + 1) * per)), 0, T) for i, j in enumerate(jobs)]
+    p, rest = ln.begin(loads)
+    assert seen == [[False, False]] and rest == []  # both passed here
+    assert "another rank" in jobs[0].error and jobs[1].error is None
+    assert [s.load.job for s in p.seqs] == [jobs[1]]
