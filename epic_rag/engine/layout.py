@@ -73,7 +73,7 @@ class KVLayout(ABC):
 
     def range_slots(self, cache: torch.Tensor, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Slots of request positions [start, end) on the cache's device.  # -> [end-start] int64"""
-        return slots_for(block_ids, torch.arange(start, end), cache.shape[2]).to(cache.device)
+        return host_to_device(slots_for(block_ids, torch.arange(start, end), cache.shape[2]), cache.device)
 
     def write_range(
         self,
@@ -93,7 +93,8 @@ class KVLayout(ABC):
         self, cache: torch.Tensor, block_ids: list[int], start: int, end: int, k_out: torch.Tensor, v_out: torch.Tensor
     ) -> None:
         """Copy k, v of request positions [start, end) into k_out, v_out: [end-start, H, D]."""
-        k, v = self.read(cache, slots_for(block_ids, torch.arange(start, end), cache.shape[2]).to(cache.device))
+        slots = host_to_device(slots_for(block_ids, torch.arange(start, end), cache.shape[2]), cache.device)
+        k, v = self.read(cache, slots)
         k_out.copy_(k)
         v_out.copy_(v)
 
