@@ -19,6 +19,7 @@ from typing import Any
 from ..types import Delta
 from . import vllm_api
 from .heap import TRIM_EVERY_S, HeapTrimmer
+from .tenancy import unique_salt
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +111,11 @@ class Runtime:
         seed: int | None = None,
         **options: Any,
     ) -> str:
-        """Submit a tokenized prompt; returns its request id. A fresh `salt` (the default) keeps its KV out
-        of everyone else's prefix-cache hits. `options`: further checked sampling options (epic_rag.sampling)."""
+        """Submit a tokenized prompt; returns its request id. A fresh `salt` (the default, in the default
+        tenant namespace: tenancy.py) keeps its KV out of everyone else's prefix-cache hits. `options`: further
+        checked sampling options (epic_rag.sampling)."""
         prompt, params = vllm_api.request_inputs(
-            prompt_ids, salt or uuid.uuid4().hex, max_tokens, temperature, stop, seed, kv_params, **options
+            prompt_ids, salt or unique_salt(), max_tokens, temperature, stop, seed, kv_params, **options
         )
         req_id = uuid.uuid4().hex
         self.submit(req_id, prompt, params, sink)
