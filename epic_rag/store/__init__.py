@@ -1,5 +1,8 @@
 """Chunk KV store: tiers behind one interface, opened from a spec string."""
 
+import contextlib
+
+from ..redact import redact
 from .base import ChunkKV, ChunkStore, CompileLock, FleetLock, TierStats
 from .checked import KeyCheckedStore
 from .codec import CorruptEntry
@@ -58,7 +61,8 @@ def open_store(spec: "str | ChunkStore") -> ChunkStore:
 
     if isinstance(spec, ChunkStore):
         return spec
-    tiers = [build_tier(t) for t in parse_spec(spec)]
+    with redacted_errors():
+        tiers = [build_tier(t) for t in parse_spec(spec)]
     return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
 
 
@@ -67,10 +71,21 @@ def open_shared_tiers(spec: str) -> ChunkStore:
     (memory tiers belong to the process that links); a memory store that holds nothing when the spec has none."""
     from .spec import build_tier, parse_spec
 
-    tiers = [build_tier(t) for t in parse_spec(spec) if t.kind != "memory"]
+    with redacted_errors():
+        tiers = [build_tier(t) for t in parse_spec(spec) if t.kind != "memory"]
     if not tiers:
         return MemoryStore(max_bytes=1)  # holds nothing: every record is larger
     return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
+
+
+@contextlib.contextmanager
+def redacted_errors():
+    """A spec's ValueError re-raised with its secrets masked (redact): its text, which quotes the spec, reaches
+    logs and clients."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(redact(e)) from None
 
 
 def __getattr__(name: str):
