@@ -284,9 +284,8 @@ class EpicConnector(KVConnectorBase_V1):
             if st.load_pending:  # claimed positions [claim - n_ext, claim): vLLM's own prefix hits come first
                 claim, link = st.link.cut(len(st.prompt))
                 block_ids = vllm_api.block_ids_of(self._kvm, req_id)
-                meta.loads.append(
-                    LoadSpec(req_id, link, st.prompt[:claim], block_ids, claim - st.n_ext, claim, st.tenant)
-                )
+                spec = LoadSpec(req_id, link, st.prompt[:claim], block_ids, claim - st.n_ext, claim, tenant=st.tenant)
+                meta.loads.append(spec)
                 st.load_pending = False
         for req_id, num_computed in vllm_api.scheduled_steps(scheduler_output):
             st = self._active.get(req_id)
@@ -300,7 +299,9 @@ class EpicConnector(KVConnectorBase_V1):
                 if end > num_computed:
                     prompt = st.prompt if end == num_prompt else None
                     meta.captures.append(
-                        CaptureSpec(req_id, st.compile, block_ids, num_computed, end, num_prompt, prompt, st.tenant)
+                        CaptureSpec(
+                            req_id, st.compile, block_ids, num_computed, end, num_prompt, prompt, tenant=st.tenant
+                        )
                     )
         return meta
 
