@@ -23,8 +23,9 @@ class EngineConfig:
     kv_cache_gib: int = 2  # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
     gpu_memory_utilization: float = 0.3  # CPU: fraction of the NUMA node's RAM vLLM may take
     max_num_batched_tokens: int = 4096
-    # Prompt tokens one batched link pass holds, summed over its requests (the linker's K/V workspace,
-    # allocated once; on a GPU it is taken out of gpu_memory_utilization's share). 0: twice max_model_len.
+    # Prompt tokens one batched link pass holds, summed over its requests (the linker's buffers on CPU, its
+    # staging ring on a GPU, allocated once; on a GPU taken out of gpu_memory_utilization's share, as is the
+    # store's gpu tier). 0: twice max_model_len.
     link_workspace_tokens: int = 0
     # Links load asynchronously: a linking request waits while its link runs a few layers after each step's
     # forward, for at most link_step_share x that forward's time, so running requests' decodes are delayed by
@@ -45,6 +46,9 @@ class EngineConfig:
     # Shard the model over this many workers (vLLM's tensor parallelism; each rank stores and links its own
     # KV heads). Workers are separate processes: `store` must be a spec string.
     tensor_parallel_size: int = 1
+    # vLLM without torch.compile and CUDA graphs. None: on CPU only (what runs there); on a GPU graphs stay on
+    # for every request's decode (the linker runs its layers eagerly itself and needs neither off).
+    enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
         parse_policy(self.policy)
@@ -56,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.heap_trim_s, (int, float)) or not self.heap_trim_s >= 0:
             raise ValueError(f"heap_trim_s must be a number of seconds >= 0, got {self.heap_trim_s!r}")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true, false or None, got {self.enforce_eager!r}")
         if not isinstance(self.async_links, bool):
             raise ValueError(f"async_links must be true or false, got {self.async_links!r}")
         share = self.link_step_share

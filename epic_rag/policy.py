@@ -11,6 +11,11 @@ chunk's. Policies differ in whether the sink stays in the prompt:
   a real attention sink instead of making the chunk's first word the sink; `legolink-sink-<k>` recomputes
   the first k chunk tokens, `legolink-0` none.
 `legolink-<k>` means the form named by DEFAULT_LEGOLINK_FORM (the better-measured one, see the README).
+
+`query-<r>` (query-aware linking, sink form) asks the question first: a probe pass runs the prompt's uncached
+tokens and its tail (question, template) over the linked chunk KV, scores every chunk token by the attention
+the question gives it, then recomputes the top r percent of chunk tokens (plus the uncached ones) through all
+layers (linker.py).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["full", "prefix", "naive", "legolink", "cacheblend"]
+Kind = Literal["full", "prefix", "naive", "legolink", "cacheblend", "query"]
 Form = Literal["epic", "sink"]
 
 SINK_LEN = 1  # sink tokens kept in a chunk's record (the compile lead's first token)
@@ -31,13 +36,13 @@ class Policy:
     name: str
     kind: Kind
     k: int = 0  # legolink: tokens recomputed at the head of each chunk's span
-    ratio: float = 0.0  # cacheblend: fraction of chunk tokens recomputed after the check layer
+    ratio: float = 0.0  # cacheblend, query: fraction of chunk tokens recomputed (after the check layer / probe)
     form: Form | None = None  # legolink: which compiled form it links (see the module docstring)
 
     @property
     def links_chunks(self) -> bool:
         """True when chunk KV comes from the store (the connector is involved)."""
-        return self.kind in ("naive", "legolink", "cacheblend")
+        return self.kind in ("naive", "legolink", "cacheblend", "query")
 
     @property
     def keeps_sink(self) -> bool:
@@ -58,11 +63,15 @@ _PATTERNS = [
         re.compile(r"^cacheblend-(\d{1,2}(?:\.\d+)?|100)$"),
         lambda m: Policy(m[0], "cacheblend", ratio=float(m[1]) / 100.0),
     ),
+    (
+        re.compile(r"^query-(\d{1,2}(?:\.\d+)?|100)$"),
+        lambda m: Policy(m[0], "query", ratio=float(m[1]) / 100.0, form="sink"),
+    ),
 ]
 
 POLICY_HELP = (
     "full, prefix, naive, legolink-<k>, legolink-epic-<k>, legolink-sink-<k> (any k >= 0; k beyond a "
-    "chunk's length recomputes all of it), cacheblend-<r> (r in 0..100 percent)"
+    "chunk's length recomputes all of it), cacheblend-<r>, query-<r> (r in 0..100 percent)"
 )
 
 

@@ -200,8 +200,9 @@ def _flash_cache(B: int, dtype: torch.dtype, device: torch.device, physical: str
 
 def check_layout(report: Report, device: torch.device, dtype: torch.dtype, quick: bool) -> None:
     from epic_rag.engine.layout import FlashAttnLayout, slots_for
+    from epic_rag.testing.varlen import ReferenceFlashKernels
 
-    layout = FlashAttnLayout()
+    layout = FlashAttnLayout(ReferenceFlashKernels())  # the start-up check runs the kernels: the stand-in here
     T = 512 if quick else 4096
     nblk = -(-T // BLOCK)
     B = nblk * 2
@@ -389,7 +390,7 @@ class TorchVarlenKernels:
 def check_flash_adapter(report: Report, s, device, dtype, T: int, tol: float, ref: torch.Tensor) -> None:
     """FlashAttnLayout's own kernel path (RunPlan on the device, cache write, one varlen call), as the linker
     calls it, with a kernel written from FlashAttention's contract and, on CUDA, torch's FlashAttention."""
-    from epic_rag.engine.layout import FlashAttnLayout
+    from epic_rag.engine.layout import FlashAttnLayout, LayoutError
     from epic_rag.testing.varlen import ReferenceFlashKernels
 
     nR = len(s.R)
@@ -408,6 +409,12 @@ def check_flash_adapter(report: Report, s, device, dtype, T: int, tol: float, re
             args = (s.q.to(dtype).reshape(nR, -1), s.k.to(dtype).reshape(nR, -1), s.v.to(dtype).reshape(nR, -1))
             out = layout.attend(plan, attn, cache, *args).view(nR, HQ, D).float()
             report.check(f"attention/flash_layout_adapter_{name}", float((out - ref).abs().max()), tol)
+            # the start-up check the connector runs (vLLM's kernels there; these here) on this cache's strides
+            try:
+                layout.self_check(cache)
+                report.flag(f"layout/start_up_self_check_{name}", True)
+            except LayoutError as e:
+                report.flag(f"layout/start_up_self_check_{name}", False, error=str(e)[:300])
             if name == "torch_varlen":
                 timed(
                     report,
@@ -444,9 +451,18 @@ def attention_setup(device, dtype, T, seed=3):
     real = SimpleNamespace(num_heads=HQ, num_kv_heads=HK, head_size=D, impl=SimpleNamespace(scale=scale))
 
     def buffer_path():
-        # One request, one layer: buffers [L=1, Hkv, T, D]; no job is needed on the buffer path.
-        seq = _Seq(load=None, R=R, cached=None, candidate=None, K=K0.clone()[None], V=V0.clone()[None])
-        shim = _LinkAttention(real, 0, [seq])
+        # One request, one layer, on the buffer path: the linker gathers the layer's K/V from its pages (here the
+        # cached K0/V0, [T, Hkv, D]) and the shim writes R's fresh K/V in; R lives on the host, as in the linker.
+        Kb, Vb = K0.transpose(0, 1).contiguous(), V0.transpose(0, 1).contiguous()
+        load = SimpleNamespace(job=SimpleNamespace(token_ids=range(T)), block_ids=None)
+        seq = _Seq(load=load, R=R.cpu(), cached=None, candidate=None)
+        linker = SimpleNamespace(
+            attn=[(None, None, real)],
+            cache_of=lambda li: None,
+            gather=lambda cache, block_ids, n: (Kb[:n], Vb[:n]),
+            layout=SimpleNamespace(write=lambda *a: None),  # the pages' copy of R's K/V: none here
+        )
+        shim = _LinkAttention(linker, 0, SimpleNamespace(seqs=[seq], plan=None, kernel_rows=None))
         return shim(q.to(dtype).reshape(nR, -1), k.to(dtype).reshape(nR, -1), v.to(dtype).reshape(nR, -1))
 
     return SimpleNamespace(R=R, q=q, k=k, v=v, K0=K0, V0=V0, Kf=Kf, Vf=Vf, scale=scale, buffer_path=buffer_path)

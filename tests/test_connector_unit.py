@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from epic_rag.engine import connector as conn
+from epic_rag.engine.budget import HostBudget
 from epic_rag.engine.finder import ANCHOR, ChunkFinder
 from epic_rag.engine.jobs import MAX_SPANS, LinkRequest, SpanRef
 from epic_rag.engine.stores import ChunkStores
@@ -32,9 +33,12 @@ class _Linker:
         self.linked.append([(ld.job, ld.block_ids, ld.start, ld.end) for ld in loads])
         return SimpleNamespace(loads=list(loads), layer=0), []
 
-    def advance(self, p, deadline=None):
+    def advance(self, p, more=None):
         self.advances += 1
-        p.layer = self.layers if deadline is None else p.layer + 1  # one layer a call under a spent budget
+        while p.layer < self.layers:  # as the real one: asks the budget after each layer
+            p.layer += 1
+            if more is not None and not more():
+                break
         if p.layer < self.layers:
             return False
         for ld in p.loads:
@@ -72,8 +76,8 @@ def _worker(meta: conn.EpicMeta, stores: ChunkStores, block_size: int = 4) -> co
     c.block_size, c.linker, c.stores = block_size, _Linker(), stores
     c._load_errors, c._step_results, c._captures, c._learned = set(), {}, {}, {}
     c.tp_rank, c.tp_size = 0, 1
-    c._queue, c._pass, c._recving, c._bound_at = [], None, set(), 0.0
-    c.async_links, c.link_step_share = False, 1.0
+    c._queue, c._pass, c._recving = [], None, set()
+    c.async_links, c.link_step_share, c._budget = False, 1.0, HostBudget(1.0)
     c._get_connector_metadata = lambda: meta
     return c
 
@@ -129,7 +133,7 @@ def test_a_failed_batch_fails_each_request_through_its_blocks_without_raising_in
     loads = [_load("r1", SPANS, block_ids=(0, 1, 2)), _load("r2", SPANS, block_ids=(3, 4, 5))]
     c = _worker(conn.EpicMeta(loads=loads), stores)
 
-    def broken(p, deadline=None):
+    def broken(p, more=None):
         raise RuntimeError("simulated fault in the batched pass")
 
     c.linker.advance = broken
@@ -231,7 +235,7 @@ def test_an_async_link_is_claimed_as_an_async_load_and_sent_to_the_worker_before
 def _async_worker(meta: conn.EpicMeta, layers: int, share: float = 0.0) -> conn.EpicConnector:
     stores = _stores(_record("sink1-a", PROMPT[0:5]), _record("sink1-b", PROMPT[5:9]))
     c = _worker(meta, stores)
-    c.linker, c.async_links, c.link_step_share = _Linker(layers), True, share
+    c.linker, c.async_links, c.link_step_share, c._budget = _Linker(layers), True, share, HostBudget(share)
     return c
 
 
@@ -267,7 +271,7 @@ def test_a_failed_async_link_reports_its_blocks_and_its_release_in_the_same_step
     meta = conn.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS, block_ids=(3, 4, 5))], idle=True)
     c = _async_worker(meta, layers=2)
 
-    def broken(p, deadline=None):
+    def broken(p, more=None):
         raise RuntimeError("simulated fault in a layer")
 
     c.linker.advance = broken
@@ -357,15 +361,13 @@ def test_a_request_naming_no_spans_links_the_chunks_found_in_it_unless_it_opts_o
 
 
 def test_tensor_parallel_ranks_keep_their_own_records_and_agree_on_what_is_missing(monkeypatch):
-    from epic_rag.engine import vllm_api
     from epic_rag.keys import chunk_key, lead_id, record_key
 
     # rank 1 of 2 holds both records under its own keys; the other rank lacks b's: dropped here too
     stores = _stores(_record("sink1-a.tp2r1", PROMPT[0:5]), _record("sink1-b.tp2r1", PROMPT[5:9]))
     c = _worker(conn.EpicMeta(loads=[_load("r1", SPANS)]), stores)
     c.tp_rank, c.tp_size = 1, 2
-    other_rank = torch.tensor([0.0, 0.0, 1.0])  # load ok, a found, b missing
-    monkeypatch.setattr(vllm_api, "tp_all_reduce", lambda t: t + other_rank)
+    _other_rank(monkeypatch, [0, 0, 1])  # load ok, a found, b missing
     c.start_load_kv(None)
     ((job, *_),) = c.linker.linked[0]
     assert [sp.start for sp in job.spans] == [0]  # only a linked: both ranks recompute b's tokens
@@ -374,3 +376,66 @@ def test_tensor_parallel_ranks_keep_their_own_records_and_agree_on_what_is_missi
     kv = _record(chunk_key("fp", PROMPT[1:5], [SINK]) + ".tp2r1", PROMPT[0:5])
     kv.lead, kv.tenant = lead_id([SINK]), tenant_id("")
     assert record_key("fp", kv) == kv.key
+
+
+def _other_rank(monkeypatch, flags: list[int]):
+    """A second tensor-parallel rank holding `flags`, reached over the group's host side (gloo); vLLM's device
+    all-reduce refuses host tensors on CUDA (and reading one back would sync the device): it must not be used."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    from epic_rag.engine import vllm_api
+
+    host_group = object()
+    seen = []
+
+    def all_reduce(t, group=None):
+        assert group is host_group and t.device.type == "cpu", (group, t.device)
+        seen.append(t.clone())
+        t += torch.tensor(flags, dtype=t.dtype)
+
+    def device_all_reduce(t):
+        raise AssertionError("host flags sent through the device all-reduce")
+
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(cpu_group=host_group))
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(vllm_api, "tp_all_reduce", device_all_reduce)
+    return seen
+
+
+def test_tensor_parallel_flags_are_agreed_on_the_groups_host_side_never_through_the_device_all_reduce(monkeypatch):
+    stores = _stores(_record("sink1-a.tp2r0", PROMPT[0:5]))  # this rank lacks b; the other fails the load
+    c = _worker(conn.EpicMeta(loads=[_load("r1", SPANS)]), stores)
+    c.tp_rank, c.tp_size = 0, 2
+    seen = _other_rank(monkeypatch, [1, 0, 0])
+    c.start_load_kv(None)
+    assert [t.tolist() for t in seen] == [[0, 0, 1]]  # one host all-reduce: load ok here, a found, b missing
+    assert c.linker.linked == []  # failed on the other rank: failed here too, its blocks reported
+    assert c.get_block_ids_with_load_errors() == {0, 1, 2}
+    assert "another tensor-parallel rank" in c.build_connector_worker_meta().results["r1"]["error"]
+
+
+def test_the_model_runner_is_found_behind_model_runner_v2s_kv_connector_object():
+    # vLLM 0.32 on CUDA with Triton runs Model Runner V2, which registers the caches from an ActiveKVConnector
+    # it builds (not from the runner's own method): the connector must still find the runner and its model.
+    class ActiveKVConnector:  # V2's object: no get_model
+        def __init__(self, connector, caches):
+            connector.register_kv_caches(caches)
+
+    class GPUModelRunner:
+        def get_model(self):
+            return "the model"
+
+        def initialize_kv_cache(self, connector, caches):
+            self.kv_connector = ActiveKVConnector(connector, caches)
+
+        def initialize_kv_cache_v1(self, connector, caches):
+            connector.register_kv_caches(caches)
+
+    for init in ("initialize_kv_cache", "initialize_kv_cache_v1"):
+        c = object.__new__(conn.EpicConnector)
+        getattr(GPUModelRunner(), init)(c, {"layer": torch.zeros(1)})
+        assert c._runner is not None and c._runner.get_model() == "the model", init
+    c = object.__new__(conn.EpicConnector)
+    ActiveKVConnector(c, {})  # no runner anywhere up the stack: none, and attach refuses by name
+    assert c._runner is None

@@ -146,6 +146,24 @@ def test_cacheblend_recomputes_a_fraction_of_chunk_tokens(tiny_engine):
     assert g100.token_ids == _full_on_same_tokens(tiny_engine, _req(), "cacheblend-100", 16).token_ids
 
 
+def test_query_aware_link_recomputing_every_chunk_token_equals_full(tiny_engine):
+    # query-100: the probe's picks are every chunk token, so the main pass is a full prefill of the claim
+    g = tiny_engine.generate(_req(CHUNKS[::-1]), max_tokens=16, policy="query-100")
+    assert g.token_ids == tiny_engine.generate(_req(CHUNKS[::-1]), max_tokens=16, policy="full").token_ids
+
+
+def test_query_aware_link_recomputes_its_ratio_of_chunk_tokens_beside_the_uncached_and_each_chunks_head(tiny_engine):
+    from epic_rag.engine.jobs import QUERY_FLOOR
+
+    naive = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-0")  # the same prompt, nothing picked
+    g = tiny_engine.generate(_req(), max_tokens=4, policy="query-20")
+    chunk_tokens = sum(r.num_tokens for r in tiny_engine.compile(CHUNKS))
+    picked = g.recomputed_tokens - naive.recomputed_tokens
+    # the top 20 % by the question's attention, and each chunk's first tokens where the picks missed them
+    assert round(0.2 * chunk_tokens) <= picked <= round(0.2 * chunk_tokens) + QUERY_FLOOR * len(CHUNKS)
+    assert g.prompt_tokens == naive.prompt_tokens and g.linked_tokens == naive.linked_tokens - picked
+
+
 def test_stream_yields_the_same_text_as_generate(tiny_engine):
     g = tiny_engine.generate(_req(), max_tokens=10, policy="legolink-4")
     pieces = list(tiny_engine.stream(_req(), max_tokens=10, policy="legolink-4"))
@@ -386,6 +404,7 @@ MIXED = [
     ([CHUNKS[2], CHUNKS[0], CHUNKS[1]], "cacheblend-15"),
     (CHUNKS[1:], "legolink-16"),
     (CHUNKS, "cacheblend-15"),
+    ([CHUNKS[1], CHUNKS[2], CHUNKS[0]], "query-20"),
 ]
 
 
@@ -524,14 +543,14 @@ def test_a_link_while_others_decode_runs_a_layer_a_step_and_equals_the_same_link
     from epic_rag.engine import linker, vllm_api
 
     alone = tiny_engine.generate(_req(CHUNKS[::-1]), max_tokens=12, policy="legolink-16")  # idle steps: whole
-    monkeypatch.setattr(vllm_api.kv_connector(), "link_step_share", 0.0)  # a busy step: one layer of a link
-    calls = []  # (pass, layers run, without a deadline)
+    monkeypatch.setattr(vllm_api.kv_connector()._budget, "share", 0.0)  # a busy step: one layer of a link
+    calls = []  # (pass, layers run, without a budget)
     advance = linker.Linker.advance
 
-    def counted(self, p, deadline=None):
+    def counted(self, p, more=None):
         before = p.layer
-        done = advance(self, p, deadline)
-        calls.append((id(p), p.layer - before, deadline is None))
+        done = advance(self, p, more)
+        calls.append((id(p), p.layer - before, more is None))
         return done
 
     monkeypatch.setattr(linker.Linker, "advance", counted)

@@ -1,4 +1,4 @@
-"""The linker's workspace in the memory budget: its size, and on a GPU its share taken out of vLLM's."""
+"""The linker's memory in the budget: its size, and on a GPU its share (and the gpu tier's) taken out of vLLM's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 
 from epic_rag import EngineConfig
 from epic_rag.engine import vllm_api
-from epic_rag.engine.linker import Linker, to_device
 
 
 @pytest.fixture
@@ -20,28 +19,59 @@ def llama8b_dir(tmp_path):
     return str(tmp_path)
 
 
-def test_workspace_bytes_count_k_and_v_of_every_layer_in_the_cache_dtype(llama8b_dir):
-    per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 heads x 128 dims, bf16
-    assert vllm_api.link_workspace_bytes(llama8b_dir, "bfloat16", 1000) == 1000 * per_token
-    assert Linker.workspace_bytes(1000, 32, 8, 128, 4) == 2000 * per_token  # fp32: twice
+def test_gpu_link_memory_is_a_few_layers_of_one_pass_in_the_cache_dtype_not_every_layer(llama8b_dir):
+    per_row = 2 * 8 * 128 * 2  # K and V of one token of one layer: 8 heads x 128 dims, bf16
+    one = vllm_api.link_device_bytes(llama8b_dir, "bfloat16", 1000)
+    # two staging slots (one copied while the other is written) and one gather buffer (query-<r>'s probe)
+    assert one == 3 * 1000 * per_row
     # under tensor parallelism a worker holds its share of the 8 KV heads (replicated past 8 workers)
-    assert vllm_api.link_workspace_bytes(llama8b_dir, "bfloat16", 1000, 2) == 1000 * per_token // 2
-    assert vllm_api.link_workspace_bytes(llama8b_dir, "bfloat16", 1000, 16) == 1000 * per_token // 8
+    assert vllm_api.link_device_bytes(llama8b_dir, "bfloat16", 1000, 2) == one // 2
+    assert vllm_api.link_device_bytes(llama8b_dir, "bfloat16", 1000, 16) == one // 8
 
 
-def test_gpu_share_given_to_vllm_leaves_room_for_the_linker_workspace(llama8b_dir):
-    cfg = EngineConfig(model="smollm2-135m-instruct", gpu_memory_utilization=0.9)
+def test_gpu_share_given_to_vllm_leaves_room_for_the_linker_staging_and_the_gpu_tier(llama8b_dir):
+    cfg = EngineConfig(model="smollm2-135m-instruct", gpu_memory_utilization=0.9, store="gpu?max_bytes=4G+memory")
     total = 141 * 2**30  # an H200
-    ws = vllm_api.link_workspace_bytes(llama8b_dir, "bfloat16", 16384)  # 2 GiB
+    staging = vllm_api.link_device_bytes(llama8b_dir, "bfloat16", 16384)  # 192 MiB
     share = vllm_api.gpu_memory_share(cfg, llama8b_dir, "bfloat16", 16384, total_bytes=total)
-    assert share == pytest.approx(0.9 - ws / total)
-    assert (0.9 - share) * total == pytest.approx(2 * 2**30)
+    assert share == pytest.approx(0.9 - (staging + 4 * 2**30) / total)
+    assert (0.9 - share) * total == pytest.approx(4 * 2**30 + 192 * 2**20)
 
 
-def test_a_workspace_that_leaves_vllm_almost_nothing_is_refused(llama8b_dir):
+def test_a_staging_or_gpu_tier_that_leaves_vllm_almost_nothing_is_refused(llama8b_dir):
     cfg = EngineConfig(model="smollm2-135m-instruct", gpu_memory_utilization=0.3)
     with pytest.raises(ValueError, match="link_workspace_tokens"):
-        vllm_api.gpu_memory_share(cfg, llama8b_dir, "bfloat16", 2**20, total_bytes=80 * 2**30)
+        vllm_api.gpu_memory_share(cfg, llama8b_dir, "bfloat16", 2**24, total_bytes=80 * 2**30)
+    cfg = EngineConfig(model="smollm2-135m-instruct", gpu_memory_utilization=0.3, store="gpu?max_bytes=30G")
+    with pytest.raises(ValueError, match="gpu tier"):
+        vllm_api.gpu_memory_share(cfg, llama8b_dir, "bfloat16", 16384, total_bytes=80 * 2**30)
+
+
+def test_the_gpus_memory_is_read_through_vllms_platform_not_a_cuda_context(llama8b_dir, monkeypatch):
+    # A CUDA context made in the client process sits outside vLLM's accounting and forces spawned workers:
+    # the total must come from vLLM's platform (NVML), never torch.cuda.
+    def no_context(*a, **k):
+        raise AssertionError("torch.cuda.get_device_properties creates a CUDA context")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_context)
+    monkeypatch.setattr(vllm_api, "device_total_memory", lambda: 80 * 2**30)
+    cfg = EngineConfig(model="smollm2-135m-instruct", gpu_memory_utilization=0.9)
+    share = vllm_api.gpu_memory_share(cfg, llama8b_dir, "bfloat16", 16384)
+    assert share == pytest.approx(0.9 - vllm_api.link_device_bytes(llama8b_dir, "bfloat16", 16384) / (80 * 2**30))
+
+
+def test_vllm_runs_eager_on_cpu_only_unless_configured(monkeypatch):
+    # On a GPU, CUDA graphs and torch.compile stay on for every request's decode: the linker runs its own
+    # layers eagerly and needs neither off.
+    cfg = EngineConfig(model="smollm2-135m-instruct")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert vllm_api.eager(cfg) is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert vllm_api.eager(cfg) is False
+    assert vllm_api.eager(EngineConfig(model="smollm2-135m-instruct", enforce_eager=True)) is True
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(model="smollm2-135m-instruct", enforce_eager="yes")
 
 
 def test_on_cpu_the_configured_share_is_kept():
@@ -55,8 +85,3 @@ def test_on_cpu_the_configured_share_is_kept():
 def test_a_workspace_smaller_than_one_prompt_or_not_an_int_is_refused(tokens):
     with pytest.raises(ValueError, match="link_workspace_tokens"):
         EngineConfig(model="smollm2-135m-instruct", max_model_len=2048, link_workspace_tokens=tokens)
-
-
-def test_chunk_kv_already_on_the_linkers_device_is_used_in_place():
-    t = torch.randn(2, 3)
-    assert to_device(t, torch.device("cpu")) is t

@@ -152,9 +152,9 @@ def test_a_tenant_linking_another_tenants_key_gets_the_answer_of_a_key_never_com
     never_link = LinkRequest(link.policy, SINK, (SpanRef(never, 0, 0, 1 + len(CHUNK)),))
     claim = 1 + len(CHUNK)
     loads = [
-        conn.LoadSpec("a", link, prompt[:claim], [0, 1, 2, 3, 4, 5, 6], 0, claim, A),
-        conn.LoadSpec("b", link, prompt[:claim], [7, 8, 9, 10, 11, 12, 13], 0, claim, B),
-        conn.LoadSpec("n", never_link, prompt[:claim], [14, 15, 16, 17, 18, 19, 20], 0, claim, B),
+        conn.LoadSpec("a", link, prompt[:claim], [0, 1, 2, 3, 4, 5, 6], 0, claim, tenant=A),
+        conn.LoadSpec("b", link, prompt[:claim], [7, 8, 9, 10, 11, 12, 13], 0, claim, tenant=B),
+        conn.LoadSpec("n", never_link, prompt[:claim], [14, 15, 16, 17, 18, 19, 20], 0, claim, tenant=B),
     ]
     c = _read_worker(stores, loads)
     (kvs_a, _), (kvs_b, _), (kvs_n, _) = c._read(loads)
@@ -280,7 +280,7 @@ def test_spans_of_one_record_read_it_once_and_are_sliced_from_it():
     prompt = CHUNK[:1] * n + [5]
     spans = tuple(SpanRef(key, 1, i, 1) for i in range(n))  # each span: the chunk's first token
     link = LinkRequest(parse_policy("legolink-0"), None, spans)
-    load = conn.LoadSpec("r", link, prompt[:n], list(range(n // 4 + 1)), 0, n, A)
+    load = conn.LoadSpec("r", link, prompt[:n], list(range(n // 4 + 1)), 0, n, tenant=A)
     c = _read_worker(stores, [load])
     hits = store.stats.hits
     ((kvs, err),), dt = _timed(lambda: c._read([load]))
@@ -329,3 +329,18 @@ def test_a_records_lead_and_tenant_survive_the_shared_tiers_and_are_covered_by_t
     forged = ChunkKV(key, kv.token_ids, kv.k, kv.v, lead=lead_id(EVIL), tenant=A)
     (tmp_path / "kv" / f"{key}.safetensors").write_bytes(codec.encode(forged))
     assert store.get(key) is None
+
+
+@pytest.mark.parametrize("spec", ["memory", "memory?quant=int8", "disk:{tmp}/kv", "memory+disk:{tmp}/kv2"])
+def test_a_records_lead_and_tenant_survive_every_tier(tmp_path, spec):
+    from epic_rag.store import open_store
+
+    store = open_store(spec.format(tmp=tmp_path))
+    key = chunk_key(FP, CHUNK, LEAD, "tenant-a")
+    kv = ChunkKV(key, [SINK] + CHUNK, torch.ones(1, 1 + len(CHUNK), 1, 2), torch.ones(1, 1 + len(CHUNK), 1, 2))
+    kv.lead, kv.tenant = lead_id(LEAD), A
+    store.put(kv)
+    got = store.get(key)
+    assert (got.lead, got.tenant) == (kv.lead, kv.tenant) and record_key(FP, got) == key
+    part = got.slice(1, 5)
+    assert (part.lead, part.tenant) == (kv.lead, kv.tenant)

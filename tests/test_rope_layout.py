@@ -115,7 +115,7 @@ def test_unknown_cpu_isa_is_refused():
 def test_flash_attention_layout_logic_on_cpu_tensors():
     # CUDA FlashAttention's per-layer cache: logical [B, H, N, 2D], K = [..., :D], V = [..., D:].
     # vLLM's own write path (do_kv_cache_update) views it as transpose(1, 2).split(D, -1).
-    layout = FlashAttnLayout()
+    layout = FlashAttnLayout(ReferenceFlashKernels())  # vLLM's CUDA kernels stand-in: the start-up check runs them
     B, H, N, D = 4, 2, 16, 8
     cache = torch.zeros((B, H, N, 2 * D))
     layout.self_check(cache)

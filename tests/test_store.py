@@ -55,6 +55,7 @@ def entry_path(store: DiskStore, key: str) -> Path:
         ("disk:{tmp}/a", ["DiskStore"]),
         ("memory+disk:{tmp}/a?max_bytes=10M", ["MemoryStore", "DiskStore"]),
         ("memory+disk:{tmp}/a+b+disk:{tmp}/c?quant=int8", ["MemoryStore", "DiskStore", "DiskStore"]),
+        ("gpu?max_bytes=1M&device=cpu+memory?pin=0", ["DeviceStore", "MemoryStore"]),
     ],
 )
 def test_good_specs_open_the_tiers_they_name(spec, kinds, tmp_path):
@@ -93,6 +94,10 @@ def test_good_specs_open_the_tiers_they_name(spec, kinds, tmp_path):
         ("redis://localhost:6379/zero", "db must be a number"),
         ("redis://localhost:6379/0?ttl=-1", "ttl must be a finite number"),
         ("redis://localhost:6379/0?timeout=abc", "timeout must be a number"),
+        ("gpu", "needs max_bytes"),
+        ("memory+gpu?max_bytes=1G", "must be the first"),
+        ("gpu?max_bytes=1G&quant=int8", "unknown gpu option 'quant'"),
+        ("memory?pin=yes", "pin must be"),
     ],
 )
 def test_bad_specs_raise_value_error_with_a_clear_message(spec, match):
@@ -632,3 +637,49 @@ def test_cli_stats_ls_verify_clear(tmp_path):
 def test_cli_bad_spec_is_an_error_message_not_a_traceback():
     assert _cli("store", "stats", "--store", "floppy:/a") == 2
     assert "unknown tier" in _OUT.err
+
+
+# ------------------------------------------------------------------ gpu tier and page-locked memory
+def test_gpu_tier_holds_copies_on_its_device_under_its_budget_and_promotes_hits_from_below(tmp_path):
+    # device=cpu runs the tier's logic here; on a GPU machine its device is cuda (the default)
+    store = open_store(f"gpu?max_bytes={2 * make_kv().nbytes}&device=cpu+disk:{tmp_path}")
+    gpu, disk = store.tiers
+    kv = make_kv("plain-a")
+    disk.put(kv)
+    got = store.get("plain-a")  # a hit below is promoted into the gpu tier
+    assert_same(got, kv)
+    assert gpu.contains("plain-a") and gpu.get("plain-a").k.device == gpu.device
+    for key in ("plain-b", "plain-c"):
+        store.put(make_kv(key))
+    assert gpu.keys() == ["plain-b", "plain-c"] and disk.contains("plain-a")  # LRU under its byte budget
+    gpu.put(make_kv("plain-q", tokens=4 * T))  # larger than the whole budget: never copied over
+    assert not gpu.contains("plain-q")
+    lossy = make_kv("plain-i")
+    lossy.quant = "int8"
+    gpu.put(lossy)  # exact records only
+    assert not gpu.contains("plain-i")
+
+
+def test_a_gpu_tier_on_a_machine_without_cuda_is_refused_by_name():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        open_store("gpu?max_bytes=1G")
+
+
+def test_gpu_and_memory_tiers_stay_with_the_linking_process(tmp_path):
+    from epic_rag.store import open_shared_tiers
+    from epic_rag.store.spec import gpu_tier_bytes
+
+    shared = open_shared_tiers(f"gpu?max_bytes=1M&device=cpu+memory+disk:{tmp_path}")
+    assert type(shared).__name__ == "DiskStore"
+    assert gpu_tier_bytes("gpu?max_bytes=3G+memory") == 3 * 2**30 and gpu_tier_bytes("memory") == 0
+
+
+def test_memory_tier_pins_its_records_only_where_a_cuda_device_exists():
+    m = MemoryStore()
+    assert m.pin == torch.cuda.is_available()
+    kv = make_kv("plain-p")
+    m.put(kv)
+    if not m.pin:  # an unpinned tier keeps the very object, no copy
+        assert m.get("plain-p") is kv

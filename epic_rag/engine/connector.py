@@ -31,7 +31,6 @@ engine core: in the caller's process, in its own process, under `vllm serve`.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from ..policy import SINK_LEN, Policy, parse_policy
 from ..redact import redact
 from ..store import ChunkKV
 from . import rope, vllm_api
+from .budget import HostBudget, link_budget
 from .finder import ChunkFinder
 from .jobs import MAX_SPANS, Capture, CompileRequest, LinkJob, LinkRequest, LinkSpan, epic_params
 from .layout import layout_for
@@ -84,6 +84,7 @@ class LoadSpec:
     block_ids: list[int]
     start: int
     end: int
+    tail: list[int] = field(default_factory=list)  # prompt[claim:]: the probe of query-aware links
     tenant: str = ""  # the request's tenant id (tenancy.py): only its records are linked
 
 
@@ -148,7 +149,7 @@ class EpicConnector(KVConnectorBase_V1):
         check_parallelism(vllm_config.parallel_config)
         self.block_size = vllm_config.cache_config.block_size
         self.extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
-        # prompt tokens one batched link pass holds (the linker's workspace; vllm_api.gpu_memory_share counts it)
+        # prompt tokens one batched link pass holds (sizes the linker's buffers; vllm_api.gpu_memory_share counts them)
         default_ws = WORKSPACE_PROMPTS * vllm_config.model_config.max_model_len
         self.workspace_tokens = int(self.extra.get("workspace_tokens", default_ws))
         # Links load asynchronously, a share of each step (module docstring). Not under tensor parallelism:
@@ -186,7 +187,7 @@ class EpicConnector(KVConnectorBase_V1):
         self._queue: list[_Link] = []  # loads waiting for a pass
         self._pass: tuple[LinkPass | None, list[_Link]] | None = None  # the pass under way and its loads
         self._recving: set[str] = set()  # async loads done (or failed) since the last get_finished
-        self._bound_at = 0.0  # when this step's metadata was bound (before its forward)
+        self._budget = HostBudget(self.link_step_share)  # a share of each busy step (budget.py); set at attach
         _INSTANCES.add(self)
 
     # ---------------- scheduler side ----------------
@@ -284,8 +285,9 @@ class EpicConnector(KVConnectorBase_V1):
             if st.load_pending:  # claimed positions [claim - n_ext, claim): vLLM's own prefix hits come first
                 claim, link = st.link.cut(len(st.prompt))
                 block_ids = vllm_api.block_ids_of(self._kvm, req_id)
-                spec = LoadSpec(req_id, link, st.prompt[:claim], block_ids, claim - st.n_ext, claim, tenant=st.tenant)
-                meta.loads.append(spec)
+                tail = st.prompt[claim:] if link.policy.kind == "query" else []
+                start, prefix = claim - st.n_ext, st.prompt[:claim]
+                meta.loads.append(LoadSpec(req_id, link, prefix, block_ids, start, claim, tail=tail, tenant=st.tenant))
                 st.load_pending = False
         for req_id, num_computed in vllm_api.scheduled_steps(scheduler_output):
             st = self._active.get(req_id)
@@ -345,12 +347,13 @@ class EpicConnector(KVConnectorBase_V1):
         attn, rotary = attns[0], rotaries[0]
         layout = layout_for(attn)
         cache = self.kv_caches[attn.layer_name]
-        layout.self_check(cache)
+        layout.self_check(cache, attn)
         rotator = rope.KeyRotator(rotary)
         rope.self_check(rotator, rotary, attn.head_size, attn.num_kv_heads, cache.dtype)
         self.fingerprint = vllm_api.worker_fingerprint(self._vllm_config, cache.dtype)
         self.stores = worker_stores(self.extra, self.fingerprint)
         self.tp_rank, self.tp_size = vllm_api.tp_rank_size()
+        tp = self.tp_size > 1
         linker = Linker(
             model=model,
             kv_caches=self.kv_caches,
@@ -358,9 +361,11 @@ class EpicConnector(KVConnectorBase_V1):
             rotator=rotator,
             block_size=self.block_size,
             workspace_tokens=self.workspace_tokens,
-            reduce=vllm_api.tp_all_reduce if self.tp_size > 1 else None,
+            reduce=vllm_api.tp_all_reduce if tp else None,
+            agree=vllm_api.tp_any if tp else None,
         )
         self.linker = linker
+        self._budget = link_budget(cache.device, self.link_step_share)
         return {
             "layout": layout.name,
             "rope": type(rotary).__name__,
@@ -371,6 +376,7 @@ class EpicConnector(KVConnectorBase_V1):
             "head_size": attn.head_size,
             "link_workspace_tokens": linker.workspace_tokens,
             "link_workspace_bytes": linker.workspace_nbytes,
+            "link_fill": type(linker.filler).__name__,
             "fingerprint": self.fingerprint,
             "tp": [self.tp_rank, self.tp_size],
         }
@@ -420,8 +426,9 @@ class EpicConnector(KVConnectorBase_V1):
                 out.append(([None] * len(load.link.spans), _internal_error("reading its chunks failed", e)))
         if self.tp_size == 1 or not out:
             return out
-        flags = torch.tensor([f for kvs, err in out for f in [err is not None] + [kv is None for kv in kvs]])
-        flags = (vllm_api.tp_all_reduce(flags.to(torch.float32)) > 0).tolist()  # vLLM's CPU all-reduce: floats
+        # on the group's host (gloo) side: these flags live on the host, and a device all-reduce needs them on
+        # the device (vLLM's CUDA all-reduce refuses a CPU tensor) and a sync to read them back
+        flags = vllm_api.tp_any([f for kvs, err in out for f in [err is not None] + [kv is None for kv in kvs]])
         agreed, i = [], 0
         for kvs, err in out:
             failed, missing = flags[i], flags[i + 1 : i + 1 + len(kvs)]
@@ -439,7 +446,7 @@ class EpicConnector(KVConnectorBase_V1):
                 missing.append(s.key)
                 continue
             spans.append(LinkSpan(s.start, kv.slice(s.offset, s.offset + s.n), s.exact))
-        job = LinkJob(load.token_ids, spans, load.link.policy, error=err)
+        job = LinkJob(load.token_ids, spans, load.link.policy, error=err, tail=load.tail)
         if missing and err is None and load.link.on_missing == "fail":
             job.error = f"chunk records missing or damaged: {', '.join(missing)}"
         return job, [] if err else missing
@@ -458,9 +465,10 @@ class EpicConnector(KVConnectorBase_V1):
         return True
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Worker, before the step's forward: the step's metadata; the time, to bound this step's link work."""
+        """Worker, before the step's forward: the step's metadata; a mark on the clock that bounds this step's
+        link work (budget.py)."""
         super().bind_connector_metadata(connector_metadata)
-        self._bound_at = time.perf_counter()
+        self._budget.bound()
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Worker, in each step (vLLM calls it before the forward where a step has synchronous loads, after it
@@ -489,11 +497,11 @@ class EpicConnector(KVConnectorBase_V1):
                 self._queue.append(link)
         if not self._queue and self._pass is None:
             return
-        deadline = None
-        if self.async_links and not meta.idle:
-            now = time.perf_counter()
-            deadline = now + self.link_step_share * max(now - self._bound_at, 0.0)
-        self._link(deadline)
+        self._budget.start(idle=meta.idle or not self.async_links)
+        try:
+            self._link()
+        finally:
+            self._budget.end()
 
     def _drop_unstarted(self, gone: set[str]) -> None:
         """Requests finished (aborted) before their link started are not linked; their blocks are released."""
@@ -504,8 +512,8 @@ class EpicConnector(KVConnectorBase_V1):
                 self._recving.add(x.spec.req_id)
         self._queue = [x for x in self._queue if x.spec.req_id not in gone]
 
-    def _link(self, deadline: float | None) -> None:
-        """Start passes and advance them until none is left or `deadline` passes (None: to the end)."""
+    def _link(self) -> None:
+        """Start passes and advance them until none is left or this step's budget is spent."""
         while self._pass is not None or self._queue:
             if self._pass is None:  # the queue's first loads that fit the workspace (begin returns the rest)
                 try:
@@ -517,13 +525,13 @@ class EpicConnector(KVConnectorBase_V1):
                 self._pass, self._queue = (p, self._queue[:taken]), self._queue[taken:]
             p, links = self._pass
             try:
-                if p is not None and not self.linker.advance(p, deadline):
+                if p is not None and not self.linker.advance(p, self._budget.more):
                     return  # the rest in later steps
             except Exception as e:
                 self._fail_all(links, e)
             self._pass = None
             self._report(links)
-            if deadline is not None and time.perf_counter() >= deadline:
+            if not self._budget.has_room():
                 return
 
     @staticmethod
@@ -588,9 +596,11 @@ class EpicConnector(KVConnectorBase_V1):
             first = self.linker.attn[0][2]
             lead = max(spec.compile.lead, 1)
             shape = (len(self.linker.layers), spec.num_prompt - lead + 1, first.num_kv_heads, first.head_size)
-            dtype = self.linker.cache_of(0).dtype
-            # on the host: records are stored from there (and a GPU's memory is vLLM's)
-            cap = Capture(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype), lead=lead)
+            cache = self.linker.cache_of(0)
+            # on the host: records are stored from there (and a GPU's memory is vLLM's); page-locked on a GPU
+            # machine, so the capture copies run asynchronously and links copy the record back at full speed
+            k, v = (torch.empty(shape, dtype=cache.dtype, pin_memory=cache.is_cuda) for _ in range(2))
+            cap = Capture(k, v, lead=lead)
             self._captures[spec.req_id] = cap
         return cap
 
@@ -607,10 +617,11 @@ class EpicConnector(KVConnectorBase_V1):
                     raise RuntimeError(f"capture of {spec.req_id} resumed at {spec.start}, not {cap.filled_to}")
                 for first, stop, at in cap.kept(spec.start, spec.end):
                     self.linker.capture(spec.block_ids, first, stop, cap.k, cap.v, at)
-                if spec.start == 0 and cap.lead > 1:  # the sink's key, rotated to sit right before the chunk
-                    cap.k[:, :1] = self.linker.rotator.rotate(cap.k[:, :1], cap.lead - 1).to(cap.k.dtype)
                 cap.filled_to = spec.end
                 if spec.end == spec.num_prompt:
+                    self.linker.captured()  # every copy has landed (GPU: one wait per chunk, here)
+                    if cap.lead > 1:  # the sink's key, rotated to sit right before the chunk
+                        cap.k[:, :1] = self.linker.rotator.rotate(cap.k[:, :1], cap.lead - 1).to(cap.k.dtype)
                     self._captures.pop(spec.req_id, None)
                     self._store(spec, cap)
             except Exception as e:

@@ -27,7 +27,7 @@ that outlived its first step. A link names at most MAX_SPANS spans (kv_connector
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,9 @@ from ..store import ChunkKV
 from ..store.base import check_key
 
 MAX_SPANS = 512  # spans one link may name: each is checked and sliced on the worker (records are read once)
+# query-<r>: the first tokens of each chunk always recomputed beside the probe's picks (a separately compiled
+# chunk's first token is an attention sink the question's attention cannot see past; measured, see README)
+QUERY_FLOOR = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +202,7 @@ class LinkJob:
     policy: Policy
     recomputed: int = 0  # filled by the linker: tokens recomputed in the last layer
     error: str | None = None
+    tail: list[int] = field(default_factory=list)  # prompt[claim:] (question, template): query-<r>'s probe
 
     def initial_recompute(self) -> torch.Tensor:
         """Sorted positions recomputed from layer 0 on.  # -> [nR] int64"""
@@ -223,7 +227,7 @@ def masks(T: int, extents: list[tuple[int, int, bool]]) -> tuple[torch.Tensor, t
 
 
 def initial_recompute(T: int, extents: list[tuple[int, int, bool]], policy: Policy) -> torch.Tensor:
-    """Sorted positions recomputed from layer 0 on.  # -> [nR] int64"""
+    """Sorted positions recomputed from layer 0 on (query-<r>: in its probe pass).  # -> [nR] int64"""
     if policy.kind == "cacheblend":
         return torch.arange(T)
     cached, _ = masks(T, extents)
@@ -237,11 +241,15 @@ def initial_recompute(T: int, extents: list[tuple[int, int, bool]], policy: Poli
 
 def planned_recompute(T: int, extents: list[tuple[int, int, bool]], policy: Policy) -> int:
     """Tokens a link of these spans recomputes in its last layer when every record is found (the linker's
-    count: CacheBlend keeps every uncached token and round(ratio x candidates) of the chunk tokens)."""
-    if policy.kind != "cacheblend":
+    count: CacheBlend keeps every uncached token and round(ratio x candidates) of the chunk tokens; query-<r>
+    the same, and each chunk's first QUERY_FLOOR tokens besides where its picks miss them: at most that)."""
+    if policy.kind not in ("cacheblend", "query"):
         return len(initial_recompute(T, extents, policy))
     cached, candidate = masks(T, extents)
-    return int((~cached).sum()) + int(round(policy.ratio * int(candidate.sum())))
+    n = int((~cached).sum()) + int(round(policy.ratio * int(candidate.sum())))
+    if policy.kind == "query":
+        n += sum(min(QUERY_FLOOR, k) for _, k, exact in extents if not exact)
+    return min(n, T)
 
 
 @dataclass(slots=True)

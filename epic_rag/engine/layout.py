@@ -31,6 +31,16 @@ class LayoutError(RuntimeError):
     """The paged KV layout is unknown or failed its self-check: refuse to serve."""
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small tensor built on the host, on `device`: on a GPU through page-locked memory, asynchronously (a
+    copy from pageable memory can stall the host until the stream drains)."""
+    if t.device == torch.device(device):
+        return t
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def slots_for(block_ids: list[int] | torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Flat slot index of each position of one request.  # positions: [n] -> slots: [n] int64"""
     bids = torch.as_tensor(block_ids, dtype=torch.int64)
@@ -50,6 +60,8 @@ def query_runs(R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class KVLayout(ABC):
     name: str = "?"
+    # Whether the linker keeps K/V buffers for requests this layout's kernel does not take (can_attend False).
+    needs_buffers: bool = True
 
     @abstractmethod
     def write(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -121,8 +133,9 @@ class KVLayout(ABC):
         # q: [n, Hq*D], k, v: [n, Hkv*D] (n: the plan's requests' nR summed) -> [n, Hq*D]"""
         raise NotImplementedError
 
-    def self_check(self, like: torch.Tensor) -> None:
-        """Write random K/V into a scratch cache shaped like `like` ([B, H, N, 2D]) and read it back."""
+    def self_check(self, like: torch.Tensor, attn: torch.nn.Module | None = None) -> None:
+        """Write random K/V into a scratch cache shaped like `like` ([B, H, N, 2D]) and read it back (`attn`: the
+        model's attention module, for layouts whose check runs its kernels)."""
         _, H, N, C = like.shape
         scratch = torch.zeros((3, H, N, C), dtype=like.dtype, device=like.device)
         g = torch.Generator().manual_seed(1234)
@@ -182,8 +195,7 @@ class RunPlan:
         if self.slots.device == torch.device(device):
             return self
         return RunPlan(
-            *(t.to(device, non_blocking=True) for t in (self.slots, self.query_start_loc, self.seq_lens)),
-            self.block_table.to(device, non_blocking=True),
+            *(host_to_device(t, device) for t in (self.slots, self.query_start_loc, self.seq_lens, self.block_table)),
             self.max_query_len,
             self.max_seq_len,
             self.scheduler_metadata,
@@ -272,7 +284,7 @@ class CpuAttnLayout(KVLayout):
         for t in range(first * N - start, last * N - start, N):
             get(block_ids[(t + start) // N], k_out[t : t + N], v_out[t : t + N])
 
-    def self_check(self, like: torch.Tensor) -> None:
+    def self_check(self, like: torch.Tensor, attn: torch.nn.Module | None = None) -> None:
         super().self_check(like)
         # The block fast paths must store exactly what vLLM's own op stores, and read back the same.
         _, H, N, C = like.shape
@@ -440,6 +452,7 @@ class FlashAttnLayout(KVLayout):
     loop has no host syncs. NOT RUN ON A GPU HERE: tested on CPU tensors with a reference kernel."""
 
     name = "flash_attn"
+    needs_buffers = False  # its kernel takes any recompute set inside the link's range
 
     def __init__(self, kernels: FlashKernels | None = None) -> None:
         self._kernels = kernels  # None: vLLM's own, looked up at the first link
@@ -452,8 +465,10 @@ class FlashAttnLayout(KVLayout):
 
     @staticmethod
     def pages(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """vLLM's own views of a layer's cache (do_kv_cache_update).  # -> key, value pages: [B, N, H, D]"""
-        return cache.transpose(1, 2).split(cache.shape[3] // 2, dim=-1)
+        """vLLM's own views of a layer's cache (do_kv_cache_update), strides of size-1 dims made canonical
+        as vLLM does before FlashAttention (one KV head per rank: FA3's TMA needs 16-byte aligned strides).
+        # -> key, value pages: [B, N, H, D]"""
+        return tuple(canonical_strides(t) for t in cache.transpose(1, 2).split(cache.shape[3] // 2, dim=-1))
 
     def write(self, cache, slots, k, v) -> None:
         N, D = cache.shape[2], cache.shape[3] // 2
@@ -464,7 +479,45 @@ class FlashAttnLayout(KVLayout):
     def read(self, cache, slots):
         N, D = cache.shape[2], cache.shape[3] // 2
         b, o = slots // N, slots % N
-        return cache[b, :, o, :D].clone(), cache[b, :, o, D:].clone()
+        return cache[b, :, o, :D], cache[b, :, o, D:]  # advanced indexing: copies already
+
+    def self_check(self, like: torch.Tensor, attn: torch.nn.Module | None = None) -> None:
+        """Beyond the read-back: vLLM's own kernels on a scratch cache of the real cache's dtype, device and
+        strides (the real one may hold requests' KV under `vllm serve`): its cache write must store what this
+        layout reads, this layout's writes must be what its varlen kernel attends over (against the reference
+        kernel written from FlashAttention's contract). Catches an ABI, stride or layout surprise at start-up."""
+        super().self_check(like)
+        from ..testing.varlen import ReferenceFlashKernels
+
+        _, H, N, C = like.shape
+        D = C // 2
+        scratch = torch.empty_strided((3, H, N, C), like.stride(), dtype=like.dtype, device=like.device)
+        scratch.zero_()
+        g = torch.Generator().manual_seed(4321)
+        n = 2 * N - 3  # one request over two blocks, the second partly filled
+
+        def rnd(*shape):
+            return torch.randn(shape, generator=g).to(like.dtype).to(like.device)
+
+        k, v = rnd(n, H, D), rnd(n, H, D)
+        block_ids = [2, 0]
+        slots = host_to_device(slots_for(block_ids, torch.arange(n), N), like.device)
+        key_pages, value_pages = self.pages(scratch)
+        attn = attn or _KernelCheckAttn(H, D)
+        self.kernels.cache_write(attn, k[: n - 1], v[: n - 1], key_pages, value_pages, slots[: n - 1])
+        self.write(scratch, slots[n - 1 :], k[n - 1 :], v[n - 1 :])
+        rk, rv = self.read(scratch, slots)
+        if not (torch.equal(rk, k) and torch.equal(rv, v)):
+            raise LayoutError(f"KV layout {self.name}: vLLM's cache write and this layout disagree on the pages")
+        R = torch.arange(n - 5, n)  # the last five positions attend over all n keys
+        plan = RunPlan.build([(block_ids, R)], N).to(like.device)
+        q = rnd(len(R), attn.num_heads, D)
+        got, want = torch.empty_like(q), torch.empty_like(q)
+        self.kernels.varlen(attn, q, key_pages, value_pages, got, plan)
+        ReferenceFlashKernels().varlen(attn, q, key_pages, value_pages, want, plan)
+        err = float((got.float() - want.float()).abs().max())
+        if not err <= 4 * torch.finfo(like.dtype).eps * max(1.0, float(want.float().abs().max())):
+            raise LayoutError(f"KV layout {self.name}: the varlen kernel over the pages is off by {err:.3g}")
 
     def can_attend(self, R, start, end):
         # Only positions this link owns may be written. Any number of runs: FlashAttention reads each run's
@@ -484,6 +537,30 @@ class FlashAttnLayout(KVLayout):
         out = torch.empty_like(qh)
         self.kernels.varlen(attn, qh, key_pages, value_pages, out, plan)
         return out.view(n, -1)
+
+
+class _KernelCheckAttn:
+    """What the reference kernels read from an Attention module, for a self-check without the model's (two
+    query heads per KV head)."""
+
+    kv_cache_dtype = "auto"
+
+    def __init__(self, num_kv_heads: int, head_size: int) -> None:
+        self.num_heads, self.num_kv_heads, self.head_size = 2 * num_kv_heads, num_kv_heads, head_size
+        self.impl = type("impl", (), {"scale": head_size**-0.5})()
+
+
+def canonical_strides(t: torch.Tensor) -> torch.Tensor:
+    """`t` with every size-1 dim given the stride it would have if contiguous beyond it (vLLM's
+    canonicalize_singleton_dim_strides: PyTorch allows any stride there, CUDA TMA does not); a view, no copy."""
+    if 1 not in t.shape:
+        return t
+    strides, prev = list(t.stride()), 1
+    for i in range(t.dim() - 1, -1, -1):
+        if t.shape[i] == 1:
+            strides[i] = prev
+        prev = strides[i] * t.shape[i]
+    return t if strides == list(t.stride()) else t.as_strided(t.shape, strides)
 
 
 def layout_for(attn_layer: torch.nn.Module) -> KVLayout:

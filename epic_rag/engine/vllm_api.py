@@ -15,8 +15,9 @@ Internals (read from vLLM 0.32.0's source; nothing guarantees them):
   (`kv_cache_dtype`, `head_size_v`, `sliding_window`, `has_sink`, `kv_sharing_target_layer_name`) and from
   its `.impl` (`logits_soft_cap`, `alibi_slopes`, `sinks`, `sliding_window`): a renamed attribute there
   reads as "not set" and silently lets the configuration through;
-- rotary modules expose `_compute_cos_sin_cache()`, `rotary_dim`, `is_neox_style` and a pure-torch
-  `forward_native(positions, query, key)` (rotary_table, rope_reference);
+- rotary modules expose `_compute_cos_sin_cache()`, `cos_sin_cache`, `rotary_dim`, `is_neox_style` and a
+  pure-torch static `forward_static(positions, query, key, head_size, rotary_dim, cache, is_neox)`
+  (rotary_table, rope_reference);
 - the CPU attention backend's ops `cpu_attn_reshape_and_cache`, `cpu_attention_with_kv_cache`,
   `cpu_attn_get_scheduler_metadata` and `envs.VLLM_CPU_ATTN_SPLIT_KV`; backend impl class names
   `CPUAttentionBackendImpl` / `FlashAttentionImpl` and the layer's `isa` (layout.py via cpu_ops);
@@ -25,10 +26,13 @@ Internals (read from vLLM 0.32.0's source; nothing guarantees them):
 - the scheduler's `kv_cache_manager.get_blocks(req_id).get_block_ids()` and `SchedulerOutput`'s
   `scheduled_new_reqs`, `scheduled_cached_reqs`, `num_scheduled_tokens` (scheduled_steps, block_ids_of);
 - `get_kv_transfer_group()` and `worker.model_runner.get_model()` (worker_model, kv_connector); the model
-  runner's `initialize_kv_cache` calling the connector's `register_kv_caches` itself (calling_model_runner,
-  how the connector finds the model under `vllm serve`);
-- `get_tensor_model_parallel_rank/world_size` and `tensor_model_parallel_all_reduce` (tp_rank_size,
-  tp_all_reduce): ranks agree on what a link recomputes, so their decoder layers' collectives stay in step;
+  runner (V1: its `initialize_kv_cache`) or its `ActiveKVConnector` (Model Runner V2, CUDA's default) calling
+  the connector's `register_kv_caches` (calling_model_runner, how the connector finds the model under `vllm
+  serve`);
+- `get_tensor_model_parallel_rank/world_size`, `tensor_model_parallel_all_reduce` and the group's host
+  side `get_tp_group().cpu_group` (tp_rank_size, tp_all_reduce, tp_any): ranks agree on what a link
+  recomputes, so their decoder layers' collectives stay in step;
+- `current_platform.get_device_total_memory()` (NVML on CUDA: device_total_memory);
 - `KVConnectorWorkerMetadata` and the order of `Scheduler.update_from_output`: a step's finished requests are
   freed (request_finished) before its connector output is read (update_connector_output);
 - asynchronous loads: a request waits in WAITING_FOR_REMOTE_KVS, with no step scheduling anything for it,
@@ -96,7 +100,7 @@ def new_llm_engine(model_dir: str, dtype: str, config, extra: dict[str, Any]) ->
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        enforce_eager=True,
+        enforce_eager=eager(config),
         enable_prefix_caching=True,
         seed=config.seed,
         tensor_parallel_size=config.tensor_parallel_size,
@@ -117,6 +121,15 @@ def new_llm_engine(model_dir: str, dtype: str, config, extra: dict[str, Any]) ->
     return LLMEngine.from_engine_args(args)
 
 
+def eager(config) -> bool:
+    """Whether vLLM runs without torch.compile and CUDA graphs: config.enforce_eager, or by default on CPU
+    only (what runs and is tested there). The linker needs neither off: it calls decoder layers itself,
+    eagerly, and its attention swap is never seen by graphs (they dispatch attention by layer name)."""
+    if config.enforce_eager is not None:
+        return bool(config.enforce_eager)
+    return not torch.cuda.is_available()
+
+
 def has_work(llm) -> bool:
     """Whether the engine must keep stepping: a request unfinished, or (in-process) one the scheduler still
     holds after it finished, e.g. aborted while its asynchronous link runs (its blocks are released when the
@@ -128,43 +141,54 @@ def has_work(llm) -> bool:
     return scheduler is not None and scheduler.has_requests()
 
 
-def link_workspace_bytes(model_dir: str, dtype: str, tokens: int, tensor_parallel_size: int = 1) -> int:
-    """Bytes of one worker's K/V workspace for `tokens` prompt tokens, from the model's config.json (under
-    tensor parallelism a worker holds its share of the KV heads, at least one: vLLM replicates them when
-    there are fewer heads than workers)."""
+def link_device_bytes(model_dir: str, dtype: str, tokens: int, tensor_parallel_size: int = 1) -> int:
+    """GPU memory one worker's linker allocates at attach for passes of `tokens` prompt tokens: the staging
+    ring of its fused page filler and one layer of one prompt's K/V gathered from its pages (query-<r>'s
+    probe). From the model's config.json (under tensor parallelism a worker holds its share of the KV heads, at
+    least one: vLLM replicates them when there are fewer heads than workers)."""
     import json
     from pathlib import Path
 
-    from .linker import Linker
+    from .stage import TritonFiller
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     head_size = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return Linker.workspace_bytes(
-        tokens,
-        cfg["num_hidden_layers"],
-        max(1, cfg.get("num_key_value_heads", heads) // tensor_parallel_size),
-        head_size,
-        getattr(torch, dtype).itemsize,
-    )
+    kv_heads = max(1, cfg.get("num_key_value_heads", heads) // tensor_parallel_size)
+    dtype_bytes = getattr(torch, dtype).itemsize
+    gather = 2 * tokens * kv_heads * head_size * dtype_bytes
+    return TritonFiller.stage_bytes(tokens, kv_heads, head_size, dtype_bytes) + gather
+
+
+def device_total_memory() -> int:
+    """The GPU's memory in bytes, read through NVML by vLLM's platform: no CUDA context in this process (a
+    context made here would sit outside vLLM's memory accounting and force spawned workers)."""
+    from vllm.platforms import current_platform
+
+    return int(current_platform.get_device_total_memory())
 
 
 def gpu_memory_share(
     config, model_dir: str, dtype: str, workspace_tokens: int, total_bytes: int | None = None
 ) -> float:
-    """The fraction of GPU memory vLLM is told to use: the configured one less the linker's workspace, which
-    the linker allocates after vLLM has sized its KV cache (so it is counted inside the configured share,
-    not beside it). On CPU the configured value (it does not size the KV cache there: kv_cache_gib does)."""
+    """The fraction of GPU memory vLLM is told to use: the configured one less what the linker allocates after
+    vLLM has sized its KV cache (its staging ring, and the store's gpu tier), so it is counted inside the
+    configured share, not beside it. On CPU the configured value (it does not size the KV cache there:
+    kv_cache_gib does)."""
+    from ..store.spec import gpu_tier_bytes
+
     if total_bytes is None:
         if not torch.cuda.is_available():
             return config.gpu_memory_utilization
-        total_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    ws = link_workspace_bytes(model_dir, dtype, workspace_tokens, config.tensor_parallel_size)
-    share = config.gpu_memory_utilization - ws / total_bytes
+        total_bytes = device_total_memory()
+    link = link_device_bytes(model_dir, dtype, workspace_tokens, config.tensor_parallel_size)
+    tier = gpu_tier_bytes(config.store)
+    share = config.gpu_memory_utilization - (link + tier) / total_bytes
     if share <= 0.05:
         raise ValueError(
-            f"the linker's workspace ({workspace_tokens} tokens) leaves vLLM {share:.0%} of the GPU's memory: "
-            "lower link_workspace_tokens or raise gpu_memory_utilization"
+            f"the linker's staging ({workspace_tokens} tokens) and the gpu tier ({tier} bytes) leave vLLM "
+            f"{share:.0%} of the GPU's memory: lower link_workspace_tokens or the gpu tier's max_bytes, or raise "
+            "gpu_memory_utilization"
         )
     return share
 
@@ -284,10 +308,15 @@ def rotary_table(rotary: torch.nn.Module) -> torch.Tensor:
 
 
 def rope_reference(rotary: torch.nn.Module, positions: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Keys rotated by the model's own rotary code at `positions` (pure torch).  # k: [T, H, D] -> [T, H, D]"""
+    """Keys rotated by the model's own rotary code at `positions` (pure torch), leaving the module as it was:
+    its forward_native would re-assign the cos/sin buffer every layer shares to k's device and dtype, under
+    the feet of compiled graphs that captured its address.  # k: [T, H, D] -> [T, H, D]"""
     T, H, D = k.shape
     q = torch.zeros((T, D), dtype=k.dtype, device=k.device)  # one dummy query head
-    _, out = rotary.forward_native(positions, q, k.reshape(T, H * D).clone())
+    table = rotary.cos_sin_cache.to(device=k.device, dtype=k.dtype)  # a copy where they differ
+    _, out = type(rotary).forward_static(
+        positions, q, k.reshape(T, H * D).clone(), D, rotary.rotary_dim, table, rotary.is_neox_style
+    )
     return out.view(T, H, D)
 
 
@@ -373,20 +402,42 @@ def tp_rank_size() -> tuple[int, int]:
 
 
 def tp_all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the tensor-parallel group (every rank must call it, in the same order)."""
+    """Sum of a device tensor over the tensor-parallel group (every rank must call it, in the same order)."""
     from vllm.distributed.communication_op import tensor_model_parallel_all_reduce
 
     return tensor_model_parallel_all_reduce(t)
 
 
-def calling_model_runner(depth: int = 2) -> Any | None:
-    """The model runner that called the connector hook this is called from (register_kv_caches, from the
-    runner's initialize_kv_cache): vLLM hands connectors the KV caches but never the model, and `vllm serve`
-    makes no worker-extension call to hand it over. None where the caller is not a model runner."""
+def tp_any(flags: list[bool]) -> list[bool]:
+    """Per position, whether any tensor-parallel rank set the flag (every rank must call it, in the same
+    order). Host values over the group's host side (gloo): no device tensor, no device sync; vLLM's device
+    all-reduce would refuse a host tensor on CUDA."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    t = torch.tensor(flags, dtype=torch.int32)
+    dist.all_reduce(t, group=get_tp_group().cpu_group)
+    return (t > 0).tolist()
+
+
+def calling_model_runner(depth: int = 2, search: int = 8) -> Any | None:
+    """The model runner on whose behalf the connector hook this is called from runs (register_kv_caches):
+    vLLM hands connectors the KV caches but never the model, and `vllm serve` makes no worker-extension call
+    to hand it over. The first caller, from `depth` frames up and at most `search` frames further, whose
+    `self` has get_model(): the V1 runner calls the hook itself (initialize_kv_cache); Model Runner V2 (vLLM's
+    default on CUDA with Triton) calls it from its ActiveKVConnector, which the runner builds. None where no
+    such caller is found."""
     import sys
 
-    runner = sys._getframe(depth).f_locals.get("self")
-    return runner if callable(getattr(runner, "get_model", None)) else None
+    frame = sys._getframe(depth)
+    for _ in range(search):
+        if frame is None:
+            break
+        runner = frame.f_locals.get("self")
+        if callable(getattr(runner, "get_model", None)):
+            return runner
+        frame = frame.f_back
+    return None
 
 
 def worker_fingerprint(vllm_config, kv_dtype: torch.dtype) -> str:

@@ -7,7 +7,7 @@ from .base import ChunkKV, ChunkStore, CompileLock, FleetLock, TierStats
 from .checked import KeyCheckedStore
 from .codec import CorruptEntry
 from .disk import DiskStore
-from .memory import MemoryStore
+from .memory import DeviceStore, MemoryStore
 from .stack import TieredStore
 
 
@@ -17,7 +17,11 @@ def open_store(spec: "str | ChunkStore") -> ChunkStore:
     A spec is one tier or several joined by '+', fastest first. Look-ups go down the tiers and a hit is
     copied into the tiers above it; writes go to every tier. Options follow a tier as a URL query::
 
-        memory[?max_bytes=SIZE&quant=int8]           process-private LRU (default budget 4GiB)
+        gpu?max_bytes=SIZE[&device=cuda:N]            process-private LRU in GPU memory (first tier only; its
+                                                      budget is taken out of vLLM's share of the GPU): a hot
+                                                      chunk links with no host-to-device copy
+        memory[?max_bytes=SIZE&quant=int8&pin=auto]  process-private LRU (default budget 4GiB); pin=1 keeps
+                                                      entries in page-locked memory (auto: where CUDA exists)
         memory:SIZE                                   same, older form of the budget
         disk:FOLDER[?max_bytes=SIZE&quant=int8&fsync=1&secret=S]
                                                       one safetensors file per chunk; LRU by mtime under
@@ -68,11 +72,12 @@ def open_store(spec: "str | ChunkStore") -> ChunkStore:
 
 def open_shared_tiers(spec: str) -> ChunkStore:
     """The spec's shared tiers only (disk, Redis), for a process that looks entries up but does not keep them
-    (memory tiers belong to the process that links); a memory store that holds nothing when the spec has none."""
+    (memory and gpu tiers belong to the process that links); a memory store that holds nothing when the spec
+    has none."""
     from .spec import build_tier, parse_spec
 
     with redacted_errors():
-        tiers = [build_tier(t) for t in parse_spec(spec) if t.kind != "memory"]
+        tiers = [build_tier(t) for t in parse_spec(spec) if t.kind not in ("memory", "gpu")]
     if not tiers:
         return MemoryStore(max_bytes=1)  # holds nothing: every record is larger
     return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
@@ -104,6 +109,7 @@ __all__ = [
     "TierStats",
     "CorruptEntry",
     "MemoryStore",
+    "DeviceStore",
     "DiskStore",
     "RedisStore",
     "TieredStore",

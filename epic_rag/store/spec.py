@@ -12,10 +12,11 @@ from urllib.parse import parse_qsl, urlsplit
 from .base import QUANTS, ChunkStore
 
 # '+' starts a new tier only where a tier scheme follows, so paths may contain '+' elsewhere.
-_SPLIT = re.compile(r"\+(?=(?:memory(?:$|[?:+])|disk:|redis://|rediss://|unix://))")
+_SPLIT = re.compile(r"\+(?=(?:memory(?:$|[?:+])|gpu(?:$|[?+])|disk:|redis://|rediss://|unix://))")
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?", re.IGNORECASE)
 _ARGS = {
-    "memory": {"max_bytes", "quant"},
+    "memory": {"max_bytes", "quant", "pin"},
+    "gpu": {"max_bytes", "device"},
     "disk": {"max_bytes", "quant", "fsync", "secret"},
     "redis": {"ttl", "prefix", "timeout", "retry_s", "quant", "db", "secret", "max_part_bytes", "lock_ttl"},
 }
@@ -23,7 +24,7 @@ _ARGS = {
 
 @dataclass(slots=True)
 class TierSpec:
-    kind: str  # memory | disk | redis
+    kind: str  # gpu | memory | disk | redis
     target: str = ""  # disk folder or Redis URL (without our query args)
     args: dict[str, str] = field(default_factory=dict)
 
@@ -91,6 +92,11 @@ def parse_spec(spec: str) -> list[TierSpec]:
                     raise ValueError(f"store spec {spec!r}: give the memory budget once")
                 args["max_bytes"] = target[len("memory:") :]
             tiers.append(TierSpec("memory", "", args))
+        elif part == "gpu" or part.startswith("gpu?"):
+            _, args = _split_args(part, "gpu", spec)
+            if "max_bytes" not in args:
+                raise ValueError(f"store spec {spec!r}: the gpu tier needs max_bytes (the device memory it may hold)")
+            tiers.append(TierSpec("gpu", "", args))
         elif part.startswith("disk:"):
             target, args = _split_args(part, "disk", spec)
             path = target[len("disk:") :]
@@ -103,13 +109,22 @@ def parse_spec(spec: str) -> list[TierSpec]:
             tiers.append(TierSpec("redis", target, args))
         else:
             raise ValueError(
-                f"store spec {spec!r}: unknown tier {part!r}; expected memory, disk:<folder>, "
+                f"store spec {spec!r}: unknown tier {part!r}; expected gpu, memory, disk:<folder>, "
                 "redis://host:port/db (or rediss://, unix://), joined with '+'"
             )
     kinds = [t.kind for t in tiers]
     if kinds.count("memory") > 1:
         raise ValueError(f"store spec {spec!r}: more than one memory tier")
+    if "gpu" in kinds[1:]:
+        raise ValueError(f"store spec {spec!r}: the gpu tier must be the first (fastest) tier, and only one")
     return tiers
+
+
+def gpu_tier_bytes(spec: "str | object") -> int:
+    """The device memory a spec's gpu tier may hold (0 without one, or for an open store)."""
+    if not isinstance(spec, str):
+        return 0
+    return sum(parse_size(t.args["max_bytes"], "gpu max_bytes") for t in parse_spec(spec) if t.kind == "gpu")
 
 
 def _check_redis_url(url: str, spec: str, args: dict[str, str]) -> None:
@@ -134,11 +149,18 @@ def _check_redis_url(url: str, spec: str, args: dict[str, str]) -> None:
 def build_tier(t: TierSpec) -> ChunkStore:
     a = t.args
     quant = a.get("quant", "none")
+    if t.kind == "gpu":
+        from .memory import DeviceStore
+
+        return DeviceStore(parse_size(a["max_bytes"], "gpu max_bytes"), a.get("device", "cuda"))
     if t.kind == "memory":
         from .memory import MemoryStore
 
-        kw = {"max_bytes": parse_size(a["max_bytes"], "memory max_bytes")} if "max_bytes" in a else {}
-        return MemoryStore(quant=quant, **kw)
+        kw: dict = {"max_bytes": parse_size(a["max_bytes"], "memory max_bytes")} if "max_bytes" in a else {}
+        pin = a.get("pin", "auto")
+        if pin not in ("auto", "0", "1"):
+            raise ValueError(f"memory pin must be auto, 0 or 1, got {pin!r}")
+        return MemoryStore(quant=quant, pin=None if pin == "auto" else pin == "1", **kw)
     if t.kind == "disk":
         from .disk import DiskStore
 
