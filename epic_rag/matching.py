@@ -6,18 +6,29 @@ strings and ChunkRefs by exact substring matching, and each piece is tokenized o
 whole prompt would merge tokens across chunk boundaries, e.g. '.\\n\\n').
 
 Matching uses a fixed-length anchor (the first `anchor` characters of each text) looked up in a hash table
-at every prompt position, then confirms the whole text; cost is linear in the prompt length, not in the
-number of registered chunks.
+at every prompt position, then confirms a whole text with one comparison. The work is bounded whatever texts
+are registered and whatever the prompt holds: at most `per_anchor` texts are kept under one anchor (a newer
+one pushes out the least recently used), and one prompt may compare at most BUDGET_PER_CHAR x its length +
+BUDGET_BASE characters of candidate texts (then matching stops: the rest of the prompt is glue, recomputed,
+never wrong). So a split costs a hash look-up per position and anchor length, and the comparisons' budget:
+linear in the prompt, not in the number of registered chunks.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 from collections import OrderedDict
 
 from .types import ChunkRef, Segment
 
-MAX_TEXTS = 100_000  # texts remembered (least recently added or matched go first): memory stays bounded
+log = logging.getLogger(__name__)
+
+MAX_TEXTS = 100_000  # texts remembered (least recently added or matched go first)
+MAX_BYTES = 256 << 20  # and at most this much memory of text
+PER_ANCHOR = 8  # texts kept under one anchor
+BUDGET_PER_CHAR, BUDGET_BASE = 2, 1 << 16  # characters of candidate texts one split may compare
 
 
 class ChunkTextIndex:
@@ -25,21 +36,30 @@ class ChunkTextIndex:
 
     Texts shorter than `min_chars` are not matched (they would match ordinary prose by accident). A match
     must also sit on word boundaries: a chunk starting or ending with a letter or digit is not matched
-    inside a longer word. At most `max_texts` texts are kept (LRU): a forgotten chunk is still linked when
-    given as a ChunkRef; inside a rendered string it is then plain glue (recomputed, never wrong).
+    inside a longer word. At most `max_texts` texts of at most `max_bytes` together are kept (LRU), and
+    `per_anchor` under one anchor: a forgotten chunk is still linked when given as a ChunkRef; inside a
+    rendered string it is then plain glue (recomputed, never wrong).
     """
 
-    def __init__(self, min_chars: int = 16, anchor: int = 32, max_texts: int = MAX_TEXTS) -> None:
+    def __init__(
+        self,
+        min_chars: int = 16,
+        anchor: int = 32,
+        max_texts: int = MAX_TEXTS,
+        max_bytes: int = MAX_BYTES,
+        per_anchor: int = PER_ANCHOR,
+    ) -> None:
         if min_chars < 1 or anchor < min_chars:
             raise ValueError("need 1 <= min_chars <= anchor")
-        if max_texts < 1:
-            raise ValueError("max_texts must be at least 1")
+        if max_texts < 1 or max_bytes < 1 or per_anchor < 1:
+            raise ValueError("max_texts, max_bytes and per_anchor must be at least 1")
         self.min_chars = min_chars
         self.anchor = anchor
-        self.max_texts = max_texts
+        self.max_texts, self.max_bytes, self.per_anchor = max_texts, max_bytes, per_anchor
+        self.nbytes = 0
         self._refs: OrderedDict[str, ChunkRef] = OrderedDict()
-        # anchor length -> anchor string -> texts starting with it
-        self._tables: dict[int, dict[str, list[str]]] = {}
+        # anchor length -> anchor string -> texts starting with it (least recently used first)
+        self._tables: dict[int, dict[str, dict[str, None]]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -59,23 +79,39 @@ class ChunkTextIndex:
         with self._lock:
             known = text in self._refs
             self._refs[text] = ref
-            self._refs.move_to_end(text)
+            self._touch(text)
             if known:
                 return
-            n = min(len(text), self.anchor)
-            table = self._tables.get(n)
-            if table is None:
-                table = self._tables[n] = {}
-            table.setdefault(text[:n], []).append(text)
-            while len(self._refs) > self.max_texts:
-                self._forget(self._refs.popitem(last=False)[0])
+            self.nbytes += sys.getsizeof(text)
+            bucket = self._bucket(text, create=True)
+            bucket[text] = None
+            if len(bucket) > self.per_anchor:
+                self._forget(next(iter(bucket)))
+            while len(self._refs) > self.max_texts or (self.nbytes > self.max_bytes and self._refs):
+                self._forget(next(iter(self._refs)))
+
+    def _bucket(self, text: str, create: bool = False) -> dict[str, None]:
+        n = min(len(text), self.anchor)
+        table = self._tables.setdefault(n, {}) if create else self._tables[n]
+        return table.setdefault(text[:n], {}) if create else table[text[:n]]
+
+    def _touch(self, text: str) -> None:
+        """Mark `text` most recently used (the lock is held)."""
+        self._refs.move_to_end(text)
+        n = min(len(text), self.anchor)
+        bucket = self._tables.get(n, {}).get(text[:n])
+        if bucket is not None and text in bucket:
+            del bucket[text]
+            bucket[text] = None
 
     def _forget(self, text: str) -> None:
-        """Drop `text` from its anchor table (the lock is held)."""
+        """Drop `text` (the lock is held)."""
+        del self._refs[text]
+        self.nbytes -= sys.getsizeof(text)
         n = min(len(text), self.anchor)
         table = self._tables[n]
         texts = table[text[:n]]
-        texts.remove(text)
+        del texts[text]
         if not texts:
             del table[text[:n]]
             if not table:
@@ -85,26 +121,31 @@ class ChunkTextIndex:
         """Non-overlapping (start, end, ref) matches, left to right; the longest text wins at one start."""
         if not self._refs or len(prompt) < self.min_chars:
             return []
-        with self._lock:
-            tables = list(self._tables.items())
         found: list[tuple[int, int, str]] = []
-        for n, table in tables:
-            for i in range(len(prompt) - n + 1):
-                texts = table.get(prompt[i : i + n])
-                if texts:
-                    for t in tuple(texts):
+        budget = BUDGET_PER_CHAR * len(prompt) + BUDGET_BASE
+        with self._lock:
+            for n, table in self._tables.items():
+                for i in range(len(prompt) - n + 1):
+                    texts = table.get(prompt[i : i + n])
+                    for t in texts or ():
+                        budget -= len(t)
+                        if budget < 0:
+                            log.warning("chunk text matching: comparison budget spent; the rest is glue")
+                            return self._resolve(found)
                         if prompt.startswith(t, i) and _on_boundaries(prompt, i, i + len(t)):
                             found.append((i, i + len(t), t))
+            return self._resolve(found)
+
+    def _resolve(self, found: list[tuple[int, int, str]]) -> list[tuple[int, int, ChunkRef]]:
+        """The non-overlapping matches, left to right, longest first at one start (the lock is held)."""
         found.sort(key=lambda m: (m[0], -m[1]))
         out: list[tuple[int, int, ChunkRef]] = []
         pos = 0
-        with self._lock:
-            for s, e, t in found:
-                ref = self._refs.get(t)  # None: forgotten since the tables were read
-                if s >= pos and ref is not None:
-                    out.append((s, e, ref))
-                    self._refs.move_to_end(t)
-                    pos = e
+        for s, e, t in found:
+            if s >= pos:
+                out.append((s, e, self._refs[t]))
+                self._touch(t)
+                pos = e
         return out
 
     def split(self, prompt: str) -> list[Segment]:

@@ -13,9 +13,11 @@ import torch
 from epic_rag.engine import connector as conn
 from epic_rag.engine.budget import HostBudget
 from epic_rag.engine.finder import ANCHOR, ChunkFinder
-from epic_rag.engine.jobs import LinkRequest, SpanRef
+from epic_rag.engine.jobs import MAX_SPANS, LinkRequest, SpanRef
 from epic_rag.engine.stores import ChunkStores
 from epic_rag.engine.support import LinkUnsupported
+from epic_rag.engine.tenancy import Tenancy
+from epic_rag.keys import tenant_id
 from epic_rag.policy import parse_policy
 from epic_rag.store import ChunkKV, MemoryStore
 
@@ -60,10 +62,11 @@ def _stores(*records: ChunkKV) -> ChunkStores:
     return ChunkStores(chunks, MemoryStore())
 
 
-def _scheduler(find: str | None = None) -> conn.EpicConnector:
+def _scheduler(find: str | None = None, **extra) -> conn.EpicConnector:
     c = object.__new__(conn.EpicConnector)  # the scheduler-side state, without a vLLM config
     c._results, c._active, c._finished, c._parsed = {}, {}, [], {}
     c.find_policy, c.finder = (parse_policy(find) if find else None), ChunkFinder()
+    c.tenancy, c.max_spans = Tenancy.from_extra(extra), extra.get("max_spans", MAX_SPANS)
     c.async_links = False
     return c
 
@@ -118,7 +121,14 @@ def test_a_span_whose_record_is_missing_or_holds_other_tokens_is_recomputed_not_
         assert c.build_connector_worker_meta().results["r1"]["missing"] == expect_missing
 
 
-def test_a_failed_batch_fails_each_request_through_its_blocks_without_raising_into_the_step():
+def _logged_detail(caplog, result: dict) -> str:
+    """The log line a client's generic error points to by its id (the client sees no internals)."""
+    eid = result["error"].split("(error ")[1].split(";")[0]
+    (line,) = [r.getMessage() for r in caplog.records if f"[error {eid}]" in r.getMessage()]
+    return line
+
+
+def test_a_failed_batch_fails_each_request_through_its_blocks_without_raising_into_the_step(caplog):
     stores = _stores(_record("sink1-a", PROMPT[0:5]), _record("sink1-b", PROMPT[5:9]))
     loads = [_load("r1", SPANS, block_ids=(0, 1, 2)), _load("r2", SPANS, block_ids=(3, 4, 5))]
     c = _worker(conn.EpicMeta(loads=loads), stores)
@@ -131,10 +141,12 @@ def test_a_failed_batch_fails_each_request_through_its_blocks_without_raising_in
     assert c.get_block_ids_with_load_errors() == {0, 1, 2, 3, 4, 5}  # vLLM fails the requests holding them
     assert c.get_block_ids_with_load_errors() == set()
     results = c.build_connector_worker_meta().results
-    assert results["r1"] == results["r2"] == {"error": "RuntimeError: simulated fault in the batched pass"}
+    assert results["r1"] == results["r2"] and "simulated" not in results["r1"]["error"]  # generic, with an id
+    assert results["r1"]["error"].startswith("linking a pass of 2 requests failed (error ")
+    assert "RuntimeError: simulated fault in the batched pass" in _logged_detail(caplog, results["r1"])
 
 
-def test_a_store_that_raises_fails_only_the_request_it_was_reading_for():
+def test_a_store_that_raises_fails_only_the_request_it_was_reading_for(caplog):
     stores = _stores(_record("sink1-b", PROMPT[5:9]))
 
     class Exploding(MemoryStore):
@@ -148,7 +160,8 @@ def test_a_store_that_raises_fails_only_the_request_it_was_reading_for():
     c.start_load_kv(None)
     assert [[job.token_ids for job, *_ in batch] for batch in c.linker.linked] == [[PROMPT[:9]]]  # r2 only
     assert c.get_block_ids_with_load_errors() == {0, 1, 2}
-    assert "OSError: disk gone" in c.build_connector_worker_meta().results["r1"]["error"]
+    result = c.build_connector_worker_meta().results["r1"]
+    assert "disk gone" not in result["error"] and "OSError: disk gone" in _logged_detail(caplog, result)
 
 
 @pytest.mark.parametrize(
@@ -254,7 +267,7 @@ def test_an_idle_step_links_to_the_end_and_links_arriving_meanwhile_wait_for_the
     assert c.get_finished(set()) == (None, {"r1", "r2", "r3"})
 
 
-def test_a_failed_async_link_reports_its_blocks_and_its_release_in_the_same_step():
+def test_a_failed_async_link_reports_its_blocks_and_its_release_in_the_same_step(caplog):
     meta = conn.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS, block_ids=(3, 4, 5))], idle=True)
     c = _async_worker(meta, layers=2)
 
@@ -265,7 +278,8 @@ def test_a_failed_async_link_reports_its_blocks_and_its_release_in_the_same_step
     c.start_load_kv(None)
     assert c.get_block_ids_with_load_errors() == {0, 1, 2, 3, 4, 5}  # vLLM fails both...
     assert c.get_finished(set()) == (None, {"r1", "r2"})  # ...and frees their blocks once released
-    assert c.build_connector_worker_meta().results["r1"] == {"error": "RuntimeError: simulated fault in a layer"}
+    result = c.build_connector_worker_meta().results["r1"]
+    assert "RuntimeError: simulated fault in a layer" in _logged_detail(caplog, result)
 
 
 def test_an_async_link_aborted_before_its_pass_starts_is_released_without_linking():
@@ -327,7 +341,7 @@ def test_the_finder_finds_known_chunks_in_a_prompts_tokens_token_for_token():
 def test_a_request_naming_no_spans_links_the_chunks_found_in_it_unless_it_opts_out():
     c = _scheduler(find="legolink-0")
     chunk = list(range(100, 100 + ANCHOR + 4))
-    meta = conn.EpicWorkerMeta({}, {"sink1-a": chunk})
+    meta = conn.EpicWorkerMeta({}, {"sink1-a": (tenant_id(""), chunk)})  # the default tenant's
     c.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))  # learned from a compile
     prompt = [5, 6] + chunk + [9, 10]
     plain = SimpleNamespace(request_id="p", prompt_token_ids=prompt, kv_transfer_params=None)
@@ -337,6 +351,9 @@ def test_a_request_naming_no_spans_links_the_chunks_found_in_it_unless_it_opts_o
     opted_out = SimpleNamespace(request_id="o", prompt_token_ids=prompt, kv_transfer_params={"epic": {"find": False}})
     assert c.get_num_new_matched_tokens(opted_out, 0) == (0, False)
     other = SimpleNamespace(request_id="x", prompt_token_ids=prompt, kv_transfer_params={"epic": {"find": "naive"}})
+    assert c._parse(other) == (None, None)  # a request may not pick a policy unless the server allows it
+    assert "allow_client_find" in c.request_finished(other, [])[1]["epic"]["error"]
+    c.tenancy = Tenancy(allow_client_find=True)
     assert c._parse(other)[0].policy.name == "naive"
     for r in (plain, opted_out, other):
         c.request_finished(r, [])
@@ -344,7 +361,7 @@ def test_a_request_naming_no_spans_links_the_chunks_found_in_it_unless_it_opts_o
 
 
 def test_tensor_parallel_ranks_keep_their_own_records_and_agree_on_what_is_missing(monkeypatch):
-    from epic_rag.keys import chunk_key, record_key
+    from epic_rag.keys import chunk_key, lead_id, record_key
 
     # rank 1 of 2 holds both records under its own keys; the other rank lacks b's: dropped here too
     stores = _stores(_record("sink1-a.tp2r1", PROMPT[0:5]), _record("sink1-b.tp2r1", PROMPT[5:9]))
@@ -356,7 +373,8 @@ def test_tensor_parallel_ranks_keep_their_own_records_and_agree_on_what_is_missi
     assert [sp.start for sp in job.spans] == [0]  # only a linked: both ranks recompute b's tokens
     assert c.build_connector_worker_meta().results["r1"]["missing"] == ["sink1-b"]
     # a rank's record keeps its suffix through the key check
-    kv = _record(chunk_key("fp", PROMPT[1:5], "sink1") + ".tp2r1", PROMPT[0:5])
+    kv = _record(chunk_key("fp", PROMPT[1:5], [SINK]) + ".tp2r1", PROMPT[0:5])
+    kv.lead, kv.tenant = lead_id([SINK]), tenant_id("")
     assert record_key("fp", kv) == kv.key
 
 

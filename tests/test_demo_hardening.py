@@ -436,3 +436,152 @@ def test_a_stream_the_engine_has_finished_no_longer_pauses_background_compilatio
         finally:
             s.close()
         assert _wait_for(lambda: state.admission.running == 0, 10)
+
+
+# ---------------------------------------------------------------------- 5. issue 26: the demo's rest
+def test_a_dead_engine_core_makes_healthz_503_with_its_reason(tmp_path):
+    """vLLM's core process died (--multiprocess): add_request raises EngineDeadError. Before, the runtime took
+    it for that request's own fault and /healthz stayed 200 while every chat failed. (A real core killed:
+    tests/test_engine_multiprocess.py.)"""
+    from test_runtime_faults import ScriptedLLM
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from epic_rag.engine.runtime import Runtime
+
+    class DeadCoreLLM(ScriptedLLM):
+        def add_request(self, rid, prompt, params):
+            raise EngineDeadError()
+
+    engine = FakeEngine()
+    engine.runtime = Runtime(DeadCoreLLM())
+    engine.runtime.start()
+    with serve(tmp_path, engine=engine) as (server, client, app):
+        assert client.get("/healthz").status_code == 200
+        got = []
+        engine.runtime.submit("x", None, None, got.append)
+        engine.runtime._thread.join(5)
+        assert isinstance(got[0], EngineDeadError)  # the request that found the core dead is told
+        r = client.get("/healthz")
+        assert r.status_code == 503 and r.json()["status"] == "failed", r.text
+        assert "EngineDeadError" in r.json()["reason"]
+
+
+def test_prometheus_method_labels_come_from_a_fixed_set_not_the_clients_method(tmp_path):
+    # Before: 300 unauthenticated requests with invented methods minted 300 series (labels up to 4 KB). Over
+    # the socket, uvicorn's httptools parser passes only the methods it knows (WebDAV's among them); h11 passes
+    # any token, as the ASGI app is driven here.
+    from starlette.testclient import TestClient
+
+    with serve(tmp_path, api_key="k") as (server, client, app):
+        for method in ("PROPFIND", "MKCOL", "PURGE"):
+            assert client.request(method, "/api/status").status_code in (401, 405)
+        asgi = TestClient(app)
+        for i in range(300):
+            assert asgi.request(f"X{i:03d}" + "M" * 40, "/api/status").status_code in (401, 405)
+        text = client.get("/metrics").text
+        methods = {line.split('method="')[1].split('"')[0] for line in text.splitlines() if 'method="' in line}
+        assert methods <= {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "other"}, methods
+        assert "other" in methods and "X000" not in text
+
+
+def _multipart(name: str, data: bytes, hold: threading.Event | None = None):
+    """A multipart upload body, as a generator that (with `hold`) stops after its first part until set."""
+    head = (
+        b'--b0undary\r\nContent-Disposition: form-data; name="file"; filename="'
+        + name.encode()
+        + b'"\r\nContent-Type: text/plain\r\n\r\n'
+    )
+
+    def body():
+        yield head
+        if hold is not None:
+            hold.wait(30)
+        yield data + b"\r\n--b0undary--\r\n"
+
+    return {"content": body(), "headers": {"content-type": "multipart/form-data; boundary=b0undary"}}
+
+
+def test_uploads_beyond_the_admission_bound_get_429_before_their_body_is_read(tmp_path):
+    import concurrent.futures
+
+    with serve(tmp_path, max_upload_inflight=1, max_upload_queued=1) as (server, client, app):
+        hold = threading.Event()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            slow = [
+                pool.submit(client.post, "/api/documents", **_multipart(f"slow{i}.txt", b"slow words " * 20, hold))
+                for i in range(2)
+            ]
+            deadline = time.monotonic() + 5
+            while app.state.demo.uploads < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            never = threading.Event()  # this body is never sent: the answer comes from the headers alone
+            over = client.post("/api/documents", **_multipart("over.txt", b"x", never))
+            assert over.status_code == 429 and over.headers["retry-after"], over.text
+            hold.set()
+            assert [f.result().status_code for f in slow] == [202, 202]
+        assert app.state.demo.uploads == 0
+        ok = client.post("/api/documents", files={"file": ("after.txt", b"after the burst " * 20)})
+        assert ok.status_code == 202, ok.text
+
+
+def test_uploads_past_their_quotas_are_refused_and_nothing_is_written(tmp_path):
+    with serve(tmp_path, max_documents=2, max_upload_total_bytes=3000) as (server, client, app):
+        folder = app.state.demo.cfg.uploads_dir
+        before = sorted(p.name for p in folder.iterdir())
+        for name in ("one.txt", "two.txt"):
+            assert client.post("/api/documents", files={"file": (name, b"words " * 100)}).status_code == 202
+        r = client.post("/api/documents", files={"file": ("three.txt", b"words " * 10)})
+        assert r.status_code == 507 and "2 documents" in r.json()["error"]["message"], r.text
+        # replacing a document counts once; growing past the byte quota is refused
+        assert client.post("/api/documents", files={"file": ("two.txt", b"other " * 100)}).status_code == 202
+        r = client.post("/api/documents", files={"file": ("two.txt", b"x" * 2500)})
+        assert r.status_code == 507 and "3000 bytes" in r.json()["error"]["message"], r.text
+        assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == sorted(
+            [*before, "one.txt", "two.txt"]
+        )
+        assert client.delete("/api/documents/one.txt").status_code == 200  # deleting frees the quota
+        assert client.post("/api/documents", files={"file": ("three.txt", b"words " * 10)}).status_code == 202
+
+
+def test_an_upload_name_too_long_in_bytes_is_a_clear_400_not_a_500(tmp_path):
+    # 130 accented letters + ".txt": 134 characters, 264 bytes. Before: OSError "File name too long" -> 500.
+    with serve(tmp_path) as (server, client, app):
+        r = client.post("/api/documents", files={"file": ("é" * 130 + ".txt", b"some words")})
+        assert r.status_code == 400 and "255 bytes" in r.json()["error"]["message"], r.text
+        ok = client.post("/api/documents", files={"file": ("é" * 125 + ".txt", b"some words")})  # 254 bytes
+        assert ok.status_code == 202, ok.text
+
+
+def test_the_demos_data_folders_and_embedding_cache_are_owner_only_and_the_cache_is_bounded(tmp_path):
+    import os
+
+    from epic_rag_demo.library import Library
+
+    cfg = DemoConfig(corpus="builtin:pydoc:json", data_dir=tmp_path / "data", max_embedding_cache_bytes=4096)
+    os.umask(0o022)
+    lib = Library(cfg, HashEncoder())
+    lib._embed([f"text number {i}" for i in range(20)], progress=True)
+    emb = cfg.data_dir / "embeddings"
+    assert (cfg.data_dir.stat().st_mode & 0o777, emb.stat().st_mode & 0o777) == (0o700, 0o700)
+    files = list(emb.glob("*.npy"))
+    assert files and all(p.stat().st_mode & 0o777 == 0o600 for p in files)
+    assert 0 < sum(p.stat().st_size for p in files) <= 4096 + 1024  # stops at its budget (one file past it)
+    assert len(lib._embed([f"text number {i}" for i in range(20)], progress=True)) == 20  # still answers
+
+
+def test_secrets_in_a_store_spec_never_reach_a_log_or_an_error(caplog):
+    import logging
+
+    from epic_rag.engine.connector import _internal_error
+    from epic_rag.store import open_store
+    from epic_rag_demo.config import open_demo_store
+
+    spec = "memory+disk:/tmp/x?secret=KVSECRET-1&bogus=1+redis://:hunter2@127.0.0.1:1/0?secret=KVSECRET-2"
+    with caplog.at_level(logging.DEBUG):
+        open_demo_store(spec)
+        with pytest.raises(ValueError) as e:
+            open_store(spec)
+        said = _internal_error("this server cannot link or compile", e.value)
+    for text in (caplog.text, str(e.value), said):
+        assert "KVSECRET" not in text and "hunter2" not in text, text
+    assert "secret=***" in caplog.text and "bogus" in caplog.text  # the reason is still there

@@ -32,8 +32,25 @@ for order in ("given", "shuffled"):
                                  "misses": linked.chunk_misses, "linked": linked.linked_tokens,
                                  "recomputed": linked.recomputed_tokens, "prompt": linked.prompt_tokens}
 out["compiled_after"] = eng.chunks.compiled
+# the core process dies while nothing runs: the engine reports it (the demo's /healthz answers 503 with it)
+import os, signal, time
+out["healthy_before"] = eng.runtime.health()
+for proc in eng._llm.engine_core.resources.engine_manager.processes:
+    os.kill(proc.pid, signal.SIGKILL)
+t0 = time.monotonic()
+while eng.runtime.health() is None and time.monotonic() - t0 < 30:
+    time.sleep(0.1)
+out["dead_reason"], out["dead_after_s"] = eng.runtime.health(), time.monotonic() - t0
+t0 = time.monotonic()
+try:
+    eng.generate("hello", max_tokens=2)
+    out["generate"] = "answered"
+except Exception as e:
+    out["generate"] = type(e).__name__
+out["generate_s"] = time.monotonic() - t0
+out["reason_after_request"] = eng.runtime.health()
 print("RESULT " + json.dumps(out), flush=True)
-eng.shutdown()
+os._exit(0)  # the core is gone: nothing left to shut down cleanly
 """
 
 CHUNKS = [
@@ -43,7 +60,7 @@ CHUNKS = [
 ]
 
 
-def test_an_engine_whose_vllm_core_runs_in_its_own_process_compiles_and_links_chunks_exactly(tmp_path):
+def test_an_engine_whose_vllm_core_runs_in_its_own_process_links_exactly_and_reports_the_cores_death(tmp_path):
     cfg = {"store": "memory", "chunks": CHUNKS, "question": "which function multiplies by 3?"}
     out = _engine_process.run(SCRIPT, cfg)
     assert out["core_client"] == "SyncMPClient", out  # vLLM's core (and the connector) ran in another process
@@ -53,3 +70,7 @@ def test_an_engine_whose_vllm_core_runs_in_its_own_process_compiles_and_links_ch
             assert r["same"], (key, r)  # linked == full, token for token
             assert r["hits"] == len(CHUNKS) and r["misses"] == 0, (key, r)
     assert out["given/legolink-0"]["linked"] > out["given/legolink-9999"]["linked"] > 0
+    # a dead core is reported while idle (before: healthy until a request, then every request failed)
+    assert out["healthy_before"] is None and out["dead_reason"] == "vLLM's engine core process has died", out
+    assert out["generate"] != "answered" and out["generate_s"] < 10, out
+    assert out["reason_after_request"], out

@@ -136,7 +136,7 @@ def test_a_layout_that_scrambles_data_fails_its_self_check():
         Broken().self_check(torch.zeros((3, 2, 16, 16)))
 
 
-def test_chunk_keys_change_with_model_tokenizer_dtype_variant_and_tokens():
+def test_chunk_keys_change_with_model_tokenizer_dtype_lead_tenant_and_tokens():
     from epic_rag.keys import chunk_key, kv_fingerprint
 
     base = kv_fingerprint("model-a", "tok-a", "torch.float32")
@@ -145,7 +145,10 @@ def test_chunk_keys_change_with_model_tokenizer_dtype_variant_and_tokens():
     assert chunk_key(kv_fingerprint("model-b", "tok-a", "torch.float32"), [1, 2, 3]) != k
     assert chunk_key(kv_fingerprint("model-a", "tok-b", "torch.float32"), [1, 2, 3]) != k
     assert chunk_key(kv_fingerprint("model-a", "tok-a", "torch.bfloat16"), [1, 2, 3]) != k
-    assert chunk_key(base, [1, 2, 3], "lead0a1b2c3d") != k
+    assert chunk_key(base, [1, 2, 3], [9, 8]) != k and chunk_key(base, [1, 2, 3], [9, 7]) != chunk_key(
+        base, [1, 2, 3], [9, 8]
+    )
+    assert chunk_key(base, [1, 2, 3], tenant="acme") != k
     assert chunk_key(base, [1, 2, 4]) != k and chunk_key(base, [3, 2, 1]) != k
 
 

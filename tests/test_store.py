@@ -351,9 +351,9 @@ def test_key_checked_view_refuses_an_entry_whose_tokens_hash_to_another_key(capl
     from epic_rag.store import KeyCheckedStore
 
     inner = MemoryStore()
-    view = KeyCheckedStore(inner, lambda e: chunk_key("fp", e.token_ids, "plain"))
+    view = KeyCheckedStore(inner, lambda e: chunk_key("fp", e.token_ids))
     genuine = make_kv(seed=6)
-    genuine = ChunkKV(chunk_key("fp", genuine.token_ids, "plain"), genuine.token_ids, genuine.k, genuine.v)
+    genuine = ChunkKV(chunk_key("fp", genuine.token_ids), genuine.token_ids, genuine.k, genuine.v)
     view.put(genuine)
     assert_same(view.get(genuine.key), genuine)
     misfiled = make_kv(genuine.key, seed=7)  # other tokens and KV under the genuine key

@@ -260,3 +260,26 @@ def test_redis_with_a_secret_refuses_and_drops_an_entry_planted_without_it(url, 
     assert not signed.contains(kv.key)
     signed.put(kv)
     assert_same(signed.get(kv.key), kv)
+
+
+@pytest.mark.parametrize("size_gib", [0.5, 100], ids=["within-the-cap", "over-the-cap"])
+def test_a_planted_parts_manifest_sizes_no_allocation_before_its_parts_arrive(url, server, size_gib):
+    """Anyone who can write the Redis (the HMAC covers entries, not manifests) planted a manifest announcing a
+    huge entry: the reader allocated it zero-filled before fetching a single part. Now a size over the cap is
+    refused, and a buffer grows only with parts that arrive (here none: a miss)."""
+    import tracemalloc
+
+    from epic_rag.store.redis_tier import MAX_ENTRY_BYTES, make_manifest
+
+    s = open_store(url)
+    key, size = "plain-planted", int(size_gib * (1 << 30))
+    parts = -(-size // (256 << 20))
+    raw(server).set(s._rkey(key), make_manifest(key, "none", "0" * 32, parts, 256 << 20, size, "0" * 64))
+    tracemalloc.start()
+    try:
+        assert s.get(key) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+    assert (size > MAX_ENTRY_BYTES) == (s.stats.corrupt == 1)

@@ -8,10 +8,11 @@ each). The server is started as the serve benchmark starts it (epic_rag.bench.se
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import pytest
+
+from epic_rag.engine.tenancy import unique_salt
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNKS = [
@@ -53,7 +54,8 @@ def server(tmp_path_factory, request):
 
 
 def _complete(client, prompt: list[int], max_tokens: int, params: dict | None = None, **extra):
-    body = dict(extra, return_token_ids=True, cache_salt=uuid.uuid4().hex)  # no prefix-cache hit between them
+    # one tenant (its chunks are linked and found only under its namespace), no prefix-cache hit between them
+    body = dict(extra, return_token_ids=True, cache_salt=unique_salt("serve-test"))
     if params is not None:
         body["kv_transfer_params"] = params
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=body)

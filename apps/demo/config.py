@@ -46,6 +46,11 @@ class DemoConfig:
     history_messages: int = 6  # earlier turns folded into the question as context
     max_body_bytes: int = 1 << 20  # JSON bodies
     max_upload_bytes: int = 10 << 20  # one uploaded document
+    max_upload_inflight: int = 2  # uploads being received or parsed at once (each parse is a CPU-limited process)
+    max_upload_queued: int = 4  # more waiting for a parser; beyond that 429 + Retry-After, body unread
+    max_documents: int = 1000  # uploaded documents kept (beyond that an upload is refused: 507)
+    max_upload_total_bytes: int = 1 << 30  # bytes of uploaded documents kept, together
+    max_embedding_cache_bytes: int = 1 << 30  # the on-disk embedding cache stops growing here
     max_model_len: int = 8192
     multiprocess: bool = False  # vLLM's engine core in its own process (EngineConfig.multiprocess)
     max_inflight: int = 16  # chat completions generating at once
@@ -71,6 +76,11 @@ class DemoConfig:
             "max_messages",
             "max_body_bytes",
             "max_upload_bytes",
+            "max_upload_inflight",
+            "max_upload_queued",
+            "max_documents",
+            "max_upload_total_bytes",
+            "max_embedding_cache_bytes",
             "parse_cpu_s",
             "max_inflight",
             "max_queued",

@@ -31,6 +31,20 @@ log = logging.getLogger(__name__)
 
 _WINDOWS_DRIVE = re.compile(r"^[A-Za-z]:")
 MAX_ERRORS = 100  # progress errors kept (the oldest go): a long-running server must not grow without bound
+NAME_MAX_BYTES = 255  # a file name's limit on every common file system, in bytes (not characters)
+
+
+class QuotaExceeded(ValueError):
+    """An upload that would take the uploads past their quota (documents or bytes): nothing is written."""
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a folder only its owner can list or enter (0700), created with its parents where missing."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.stat()
+    if st.st_mode & 0o077 and st.st_uid == os.getuid():  # ours but open to others (an older version made it)
+        path.chmod(0o700)
+    return path
 
 
 def safe_upload_name(name: object) -> str:
@@ -44,6 +58,10 @@ def safe_upload_name(name: object) -> str:
         raise ValueError("file name is longer than 255 characters")
     if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
         raise ValueError("file name contains NUL or control characters")
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        raise ValueError("file name is not valid Unicode text") from None
     if name.startswith(("/", "\\")) or _WINDOWS_DRIVE.match(name):
         raise ValueError("file name must not be an absolute path")
     parts = re.split(r"[/\\]", name)
@@ -52,6 +70,8 @@ def safe_upload_name(name: object) -> str:
     base = parts[-1].strip()
     if not base or base.startswith("."):
         raise ValueError("file name must be a plain, non-hidden file name")
+    if len(base.encode()) > NAME_MAX_BYTES:  # 130 accented letters are 260 bytes: a file system refuses them
+        raise ValueError(f"file name is longer than {NAME_MAX_BYTES} bytes in UTF-8")
     if Path(base).suffix.lower() not in DOC_SUFFIXES:
         raise ValueError(
             f"unsupported file type {Path(base).suffix or '(none)'}; supported: {', '.join(sorted(DOC_SUFFIXES))}"
@@ -137,6 +157,8 @@ class Library:
         # not decoded in the same engine steps as a batch of chunk prefills.
         self.busy: Callable[[], bool] = lambda: False
         self._emb_dir = config.data_dir / "embeddings"
+        self._emb_bytes: int | None = None  # the embedding cache's size, scanned at its first write
+        self._upload_sizes: dict[str, int] = {}  # uploaded document -> bytes (the quotas)
         self._enc_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self.parse_limits = ParseLimits(cpu_s=config.parse_cpu_s, max_chars=config.max_document_chars)
 
@@ -180,9 +202,14 @@ class Library:
     def add_upload(self, filename: str, data: bytes) -> DocInfo:
         """Validate and save an uploaded document, then index and compile it in the background."""
         name = safe_upload_name(filename)
+        self._check_quota(name, len(data))  # before any parse or write
         doc = read_document(name, data, self.parse_limits)  # ValueError on anything it cannot read
         folder = self.cfg.uploads_dir
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # owner-only where it creates the folder
+        if self.cfg.corpus_dir is None:
+            private_dir(self.cfg.data_dir)
+            private_dir(folder)
+        else:  # the user's own corpus folder: created owner-only where missing, its mode left as it is
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = (folder / name).resolve()
         if path.parent != folder.resolve():
             raise ValueError("file name resolves outside the upload folder")
@@ -194,8 +221,10 @@ class Library:
                 f.write(data)
             info = DocInfo(name, "upload", path, len(doc.text))
             with self._lock:  # file and index replaced together: the last upload of a name wins in both
+                self._check_quota(name, len(data))  # again: concurrent uploads passed the first check together
                 os.replace(tmp, path)
                 self._remove_locked(name)
+                self._upload_sizes[name] = len(data)
                 self.docs[name] = info
                 self.progress.documents = len(self.docs)
                 self._tasks.put(("add", doc, info))
@@ -207,10 +236,23 @@ class Library:
             raise
         return info
 
+    def _check_quota(self, name: str, size: int) -> None:
+        """QuotaExceeded when keeping this upload (replacing one of the same name) would exceed the quotas."""
+        cfg = self.cfg
+        with self._lock:
+            replaced = self._upload_sizes.get(name)
+            docs = len(self._upload_sizes) + (replaced is None)
+            total = sum(self._upload_sizes.values()) - (replaced or 0) + size
+        if docs > cfg.max_documents:
+            raise QuotaExceeded(f"upload quota reached: {cfg.max_documents} documents; delete some first")
+        if total > cfg.max_upload_total_bytes:
+            raise QuotaExceeded(f"upload quota reached: {cfg.max_upload_total_bytes} bytes; delete some first")
+
     def delete(self, name: str) -> DocInfo | None:
         """Drop a document from the index; files in the upload/corpus folder are deleted too."""
         with self._lock:
             info = self._remove_locked(name)
+            self._upload_sizes.pop(name, None)
             self.progress.documents = len(self.docs)
         if info is not None and info.path is not None:
             folder = self.cfg.uploads_dir.resolve()
@@ -314,6 +356,8 @@ class Library:
             for doc, source, path in found:
                 if doc.name not in self.docs:
                     self.docs[doc.name] = DocInfo(doc.name, source, path, len(doc.text))
+                    if source == "upload" and path is not None:  # kept uploads count against the quotas
+                        self._upload_sizes[doc.name] = path.stat().st_size
             self.progress.documents = len(self.docs)
         for doc, _, _ in found:
             with self._lock:
@@ -462,11 +506,20 @@ class Library:
         return minilm_id() if self._encoder is None else encoder_id(self._encoder)  # without loading it
 
     def _save_embedding(self, key: str, vec: np.ndarray) -> None:
+        """Cache one embedding (owner-only folder and file), while the cache is under its byte budget."""
         try:
-            self._emb_dir.mkdir(parents=True, exist_ok=True)
+            if self._emb_bytes is None:
+                private_dir(self.cfg.data_dir)
+                private_dir(self._emb_dir)
+                self._emb_bytes = sum(p.stat().st_size for p in self._emb_dir.glob("*.npy"))
+            if self._emb_bytes >= self.cfg.max_embedding_cache_bytes:
+                return  # full: embeddings are computed again when needed (the cache is only a cache)
             tmp = self._emb_dir / f".{key}.{threading.get_ident()}.npy"
-            np.save(tmp, vec)
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                np.save(f, vec)
+            size = tmp.stat().st_size
             os.replace(tmp, self._emb_dir / f"{key}.npy")
+            self._emb_bytes += size
         except OSError as e:
             log.debug("embedding cache write failed: %s", e)
 

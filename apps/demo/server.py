@@ -34,12 +34,14 @@ from epic_rag.types import Delta, Generation, RagRequest
 
 from .access import AccessGuard
 from .config import PAGE_POLICIES, DemoConfig
-from .library import ChunkRecord, Library
+from .library import ChunkRecord, Library, QuotaExceeded, private_dir
 from .metrics import DemoMetrics
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).parent / "static"
+# The method label of the request counter: any other method a client invents counts as "other" (no new series).
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 PAGE_CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
@@ -52,9 +54,11 @@ class DemoState:
     def __init__(self, config: DemoConfig, encoder=None) -> None:
         self.cfg = config
         self.engine = None
+        private_dir(config.data_dir)  # the demo's data (KV, uploads, embeddings) is its owner's only
         self.library = Library(config, encoder)
         self.metrics = DemoMetrics(lambda: self.engine, self.library, frozenset(PAGE_POLICIES) | {config.policy})
         self.admission = Admission(config.max_inflight, config.max_queued)
+        self.uploads = 0  # upload requests being received, waiting or parsed (LimitsAndMetrics admits them)
         self.started = time.time()
         self.active_chats = 0  # chat completions in flight (ingestion yields to them)
         self.library.busy = lambda: self.active_chats > 0
@@ -127,6 +131,18 @@ class LimitsAndMetrics:
             return await self.app(scope, receive, send)
         limit = self._limit(scope["path"])
         status = {"code": 500, "started": False}
+        cfg, state = self.state.cfg, self.state
+        # Uploads are admitted before their body is read: at most max_upload_inflight + max_upload_queued at
+        # once (each holds its body, and a parse keeps a core busy), then 429, so uploads cannot queue without
+        # bound behind the two parser threads.
+        upload = scope["path"] == "/api/documents" and scope.get("method") == "POST"
+        if upload and state.uploads >= cfg.max_upload_inflight + cfg.max_upload_queued:
+            state.metrics.errors.labels("uploads_overloaded").inc()
+            resp = _error_response(429, "too many uploads in progress; retry shortly", headers={"Retry-After": "2"})
+            await resp(scope, receive, send)
+            state.metrics.requests.labels("/api/documents", "POST", "429").inc()
+            return
+        state.uploads += upload
 
         async def send_wrapper(msg):
             if msg["type"] == "http.response.start":
@@ -167,10 +183,12 @@ class LimitsAndMetrics:
                 # would then close the keep-alive connection, failing the client's next request on it.
                 await _internal_error(scope["path"])(scope, receive, send_wrapper)
         finally:
+            state.uploads -= upload
             route = scope.get("route")
             label = getattr(route, "path", None) or ("/static" if scope["path"].startswith("/static/") else "other")
+            method = scope.get("method", "")
             m = self.state.metrics
-            m.requests.labels(label, scope.get("method", ""), str(status["code"])).inc()
+            m.requests.labels(label, method if method in HTTP_METHODS else "other", str(status["code"])).inc()
             if status["code"] >= 400:
                 m.errors.labels(f"http_{status['code']}").inc()
 
@@ -183,6 +201,7 @@ def _error_response(status: int, message: str, param: str | None = None, headers
         413: "request_too_large",
         429: "rate_limit_error",
         503: "service_unavailable",
+        507: "quota_exceeded",
     }.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return JSONResponse(
         {"error": {"message": message, "type": kind, "param": param, "code": status}},
@@ -458,6 +477,8 @@ def create_app(engine=None, config: DemoConfig | None = None, *, encoder=None) -
         try:
             add = functools.partial(state.library.add_upload, file.filename or "", data)
             info = await asyncio.get_running_loop().run_in_executor(state.upload_pool, add)
+        except QuotaExceeded as e:
+            raise HTTPException(507, str(e)) from None
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         return {"document": info.as_dict()}

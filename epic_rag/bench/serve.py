@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 from .common import command_line, machine, median, write
@@ -187,6 +186,8 @@ def stop_server(proc) -> None:
 def _served(embedded: dict, s: ServeSettings, log_path: Path) -> dict:
     from openai import AsyncOpenAI, OpenAI
 
+    from ..engine.tenancy import unique_salt  # links in the default namespace, the compiles' (no salt)
+
     proc, url = start_server(embedded["model_dir"], s.max_model_len, {"store": "memory"}, log_path=log_path)
     try:
         client = OpenAI(base_url=url, api_key="none", timeout=600)
@@ -206,7 +207,7 @@ def _served(embedded: dict, s: ServeSettings, log_path: Path) -> dict:
 
         def first_token_s(p: dict) -> float:
             t = time.perf_counter()
-            extra = dict(body, cache_salt=uuid.uuid4().hex, kv_transfer_params=p["params"])
+            extra = dict(body, cache_salt=unique_salt(), kv_transfer_params=p["params"])
             stream = client.completions.create(
                 model="epic", prompt=p["prompt"], max_tokens=s.output_tokens, stream=True, extra_body=extra
             )
@@ -221,7 +222,7 @@ def _served(embedded: dict, s: ServeSettings, log_path: Path) -> dict:
         aclient = AsyncOpenAI(base_url=url, api_key="none", timeout=600)
 
         async def one(p):
-            extra = dict(body, cache_salt=uuid.uuid4().hex, kv_transfer_params=p["params"])
+            extra = dict(body, cache_salt=unique_salt(), kv_transfer_params=p["params"])
             r = await aclient.completions.create(
                 model="epic", prompt=p["prompt"], max_tokens=s.output_tokens, extra_body=extra
             )

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from ..keys import chunk_key, compile_variant, rank_key
+from ..keys import DEFAULT_TENANT, chunk_key, compile_variant, rank_key, tenant_id
 from ..policy import SINK_LEN, Policy
 from ..prompt import check_chunk_text, encode_text
 from ..store import ChunkKV, ChunkStore
@@ -27,6 +27,7 @@ from ..types import Chunk, ChunkRef, PlacedChunk
 from .jobs import CompileRequest, SpanRef
 from .runtime import Runtime
 from .stores import ChunkStores
+from .tenancy import unique_salt
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,12 @@ class ChunkResolver:
         kv_info: dict,
         max_model_len: int,
         lead: list[int],
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
         self.stores, self.runtime, self.tokenizer = stores, runtime, tokenizer
+        # the namespace this engine's records live in (tenancy.py): its compiles and links carry it as their
+        # cache_salt's namespace, so the worker derives the keys computed here
+        self.tenant, self.tenant_id = tenant, tenant_id(tenant)
         self.fingerprint, self.kv_info, self.max_model_len = fingerprint, kv_info, max_model_len
         self.lead = lead  # every chunk is compiled behind these tokens (prompt.compile_lead)
         self.sink_token = self.lead[0]
@@ -79,7 +84,11 @@ class ChunkResolver:
         return self.stores.glue
 
     def key(self, token_ids: Sequence[int], variant: str) -> str:
-        return chunk_key(self.fingerprint, token_ids, variant)
+        """The key of a chunk compiled behind this engine's lead (`variant` == self.variant) or of bare glue
+        ("plain"): the key the worker derives for the same compile (keys.py)."""
+        if variant not in ("plain", self.variant):
+            raise ValueError(f"this engine compiles chunks as {self.variant!r} or 'plain', not {variant!r}")
+        return chunk_key(self.fingerprint, token_ids, [] if variant == "plain" else self.lead, self.tenant)
 
     def chunk_tokens(self, text: str) -> list[int]:
         ids = encode_text(self.tokenizer, check_chunk_text(text))
@@ -269,6 +278,7 @@ class ChunkResolver:
                 req_id = self.runtime.submit_tokens(
                     lead + tokens,
                     event_sink(ev),
+                    salt=unique_salt(self.tenant),
                     max_tokens=2,
                     min_tokens=2,
                     ignore_eos=True,

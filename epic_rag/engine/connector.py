@@ -21,12 +21,17 @@ engine core: in the caller's process, in its own process, under `vllm serve`.
   batched pass; get_finished() releases them. With "async_links" off, every link of a step runs whole before
   its forward (the request's first step then also computes its question).
 - A compile ({"epic": {"compile": ...}}) has its freshly computed KV copied out of the paged cache after
-  each prefill step (`wait_for_save`) and stored under its key once the prompt is complete.
+  each prefill step (`wait_for_save`) and stored once the prompt is complete, under the key the worker
+  derives (jobs.py; a client key that differs is refused).
+- Every request belongs to a tenant (tenancy.py: its cache_salt, or the server's default): it compiles into,
+  links from and finds only its own tenant's records; errors inside the server reach clients as a generic line
+  with an id, the details go to the log.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,15 +45,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..keys import rank_key
 from ..policy import SINK_LEN, Policy, parse_policy
+from ..redact import redact
 from ..store import ChunkKV
 from . import rope, vllm_api
 from .budget import HostBudget, link_budget
 from .finder import ChunkFinder
-from .jobs import Capture, CompileRequest, LinkJob, LinkRequest, LinkSpan, epic_params
+from .jobs import MAX_SPANS, Capture, CompileRequest, LinkJob, LinkRequest, LinkSpan, epic_params
 from .layout import layout_for
 from .linker import WORKSPACE_PROMPTS, Linker, LinkLoad, LinkPass
 from .stores import ChunkStores, worker_stores
 from .support import check_parallelism, check_supported
+from .tenancy import Tenancy
 
 log = logging.getLogger(__name__)
 _INSTANCES: weakref.WeakSet = weakref.WeakSet()
@@ -78,6 +85,7 @@ class LoadSpec:
     start: int
     end: int
     tail: list[int] = field(default_factory=list)  # prompt[claim:]: the probe of query-aware links
+    tenant: str = ""  # the request's tenant id (tenancy.py): only its records are linked
 
 
 @dataclass(slots=True)
@@ -89,6 +97,7 @@ class CaptureSpec:
     end: int
     num_prompt: int
     prompt: list[int] | None = None  # the prompt's tokens, on the step that completes it
+    tenant: str = ""  # the request's tenant id: part of the record's key
 
 
 @dataclass
@@ -104,7 +113,7 @@ class EpicWorkerMeta(KVConnectorWorkerMetadata):
     """Outcomes of this step's links and compiles, by request id (jobs.py documents the forms)."""
 
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
-    learned: dict[str, list[int]] = field(default_factory=dict)  # chunk records stored: key -> chunk tokens
+    learned: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # key -> (tenant id, chunk tokens)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, EpicWorkerMeta):
@@ -131,6 +140,7 @@ class _ReqState:
     prompt: list[int]
     n_ext: int
     load_pending: bool
+    tenant: str = ""
 
 
 class EpicConnector(KVConnectorBase_V1):
@@ -158,6 +168,8 @@ class EpicConnector(KVConnectorBase_V1):
         find = self.extra.get("find_chunks")
         self.find_policy = parse_policy(find) if find else None
         self.finder = ChunkFinder()
+        self.tenancy = Tenancy.from_extra(self.extra)  # tenants, and what clients may ask (tenancy.py)
+        self.max_spans = int(self.extra.get("max_spans", MAX_SPANS))
         self._finished: list[str] = []
         self._kvm = None
         # worker side
@@ -170,7 +182,7 @@ class EpicConnector(KVConnectorBase_V1):
         self._refusal: str | None = None  # why attaching on first use failed
         self._runner = None  # the model runner that registered the caches
         self._step_results: dict[str, dict[str, Any]] = {}
-        self._learned: dict[str, list[int]] = {}  # chunk records stored this step: key -> chunk tokens
+        self._learned: dict[str, tuple[str, list[int]]] = {}  # stored this step: key -> (tenant, chunk tokens)
         self._load_errors: set[int] = set()  # blocks whose claimed KV was not written this step
         self._queue: list[_Link] = []  # loads waiting for a pass
         self._pass: tuple[LinkPass | None, list[_Link]] | None = None  # the pass under way and its loads
@@ -184,10 +196,11 @@ class EpicConnector(KVConnectorBase_V1):
         self._kvm = kv_cache_manager
 
     def _parse(self, request) -> tuple[LinkRequest | None, CompileRequest | None]:
-        """The request's link or compile (once per request). A request without one, or with
-        {"epic": {"find": policy | false}}, links the compiled chunks found in its tokens under that policy
-        (default: "find_chunks"). One that does not parse is refused here (logged, its reason returned at its
-        end) and the request runs as a plain prefill."""
+        """The request's link or compile (once per request). A request without one links the compiled chunks
+        of its tenant found in its tokens under "find_chunks" (if set); {"epic": {"find": false}} opts out,
+        {"epic": {"find": policy}} picks the policy where the server allows it (allow_client_find). One that
+        does not parse or is not allowed is refused here (logged, its reason returned at its end) and the
+        request runs as a plain prefill."""
         req_id = request.request_id
         if req_id not in self._parsed:
             self._parsed[req_id] = self._parse_new(request)
@@ -198,19 +211,33 @@ class EpicConnector(KVConnectorBase_V1):
         prompt = request.prompt_token_ids or []
         try:
             if p is None or "find" in p:
-                return self._found(prompt, self.find_policy if p is None else p["find"]), None
+                return self._found(prompt, self._find_policy(p), self.tenancy.of(request)), None
             if "link" in p:
-                return LinkRequest.from_params(p["link"], len(prompt)), None
+                return LinkRequest.from_params(p["link"], len(prompt), self.max_spans), None
             if "compile" in p:
+                if not self.tenancy.allow_client_compiles:
+                    raise ValueError("epic compile: this server does not accept compiles (allow_client_compiles)")
                 return None, CompileRequest.from_params(p["compile"], len(prompt))
-            raise ValueError(f"epic: expected 'link', 'compile' or 'find', got {sorted(p)}")
+            raise ValueError(f"epic: expected 'link', 'compile' or 'find', got {sorted(p)[:8]}")
         except ValueError as e:
-            log.warning("request %s: %s; computed without linking", request.request_id, e)
-            self._results[request.request_id] = {"error": str(e)}
+            log.warning("request %s: %s; computed without linking", request.request_id, str(e)[:500])
+            self._results[request.request_id] = {"error": str(e)[:500]}
             return None, None
 
-    def _found(self, prompt: list[int], policy) -> LinkRequest | None:
-        """A link of the compiled chunks found in `prompt` (finder.py) under `policy`; None: nothing to link."""
+    def _find_policy(self, p: dict[str, Any] | None):
+        """The policy a request's found chunks are linked under: the server's, none when the request opts
+        out, or the request's own where the server lets requests choose (allow_client_find)."""
+        if p is None:
+            return self.find_policy
+        if p["find"] is False:
+            return None
+        if not self.tenancy.allow_client_find:
+            raise ValueError("epic find: this server does not let requests switch find on (allow_client_find)")
+        return p["find"]
+
+    def _found(self, prompt: list[int], policy, tenant: str) -> LinkRequest | None:
+        """A link of `tenant`'s compiled chunks found in `prompt` (finder.py) under `policy`; None: nothing to
+        link."""
         if policy is None or policy is False or not len(self.finder) or len(prompt) < 2:
             return None
         if isinstance(policy, str):
@@ -219,7 +246,7 @@ class EpicConnector(KVConnectorBase_V1):
             raise ValueError(f"epic find: expected a policy name or false, got {policy!r}")
         if not policy.links_chunks:
             raise ValueError(f"epic find: policy {policy.name} links no chunks")
-        spans = self.finder.find(prompt)
+        spans = self.finder.find(prompt, tenant)
         return LinkRequest(policy, None, tuple(spans)) if spans else None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -243,6 +270,7 @@ class EpicConnector(KVConnectorBase_V1):
             prompt=list(request.prompt_token_ids),
             n_ext=num_external_tokens,
             load_pending=link is not None and num_external_tokens > 0,
+            tenant=self.tenancy.of(request),
         )
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -258,7 +286,8 @@ class EpicConnector(KVConnectorBase_V1):
                 claim, link = st.link.cut(len(st.prompt))
                 block_ids = vllm_api.block_ids_of(self._kvm, req_id)
                 tail = st.prompt[claim:] if link.policy.kind == "query" else []
-                meta.loads.append(LoadSpec(req_id, link, st.prompt[:claim], block_ids, claim - st.n_ext, claim, tail))
+                start, prefix = claim - st.n_ext, st.prompt[:claim]
+                meta.loads.append(LoadSpec(req_id, link, prefix, block_ids, start, claim, tail=tail, tenant=st.tenant))
                 st.load_pending = False
         for req_id, num_computed in vllm_api.scheduled_steps(scheduler_output):
             st = self._active.get(req_id)
@@ -272,7 +301,9 @@ class EpicConnector(KVConnectorBase_V1):
                 if end > num_computed:
                     prompt = st.prompt if end == num_prompt else None
                     meta.captures.append(
-                        CaptureSpec(req_id, st.compile, block_ids, num_computed, end, num_prompt, prompt)
+                        CaptureSpec(
+                            req_id, st.compile, block_ids, num_computed, end, num_prompt, prompt, tenant=st.tenant
+                        )
                     )
         return meta
 
@@ -281,8 +312,8 @@ class EpicConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, EpicWorkerMeta):
             self._results.update({r: v for r, v in meta.results.items() if r in self._active})
-            for key, tokens in meta.learned.items():
-                self.finder.add(key, tokens)
+            for key, (tenant, tokens) in meta.learned.items():
+                self.finder.add(key, tokens, tenant)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, when a request finishes or is aborted: forget it, returning the worker's outcome in
@@ -363,8 +394,7 @@ class EpicConnector(KVConnectorBase_V1):
                 log.info("EpicConnector attached: %s", info)
                 return True
             except Exception as e:
-                log.exception("EpicConnector cannot link or compile in this engine")
-                self._refusal = f"{type(e).__name__}: {e}"
+                self._refusal = _internal_error("this server cannot link or compile", e)
         for load in meta.loads:
             self._fail_blocks(load)
             if self.async_links:
@@ -385,14 +415,15 @@ class EpicConnector(KVConnectorBase_V1):
         out = []
         for load in loads:
             try:
-                kvs = []
+                kvs, read = [], {}
                 for s in load.link.spans:
-                    kv = self.stores.get(self._rank_key(s.key), glue=s.exact)
+                    if (s.key, s.exact) not in read:  # spans of one record: read once, sliced per span
+                        read[s.key, s.exact] = self.stores.get(self._rank_key(s.key), glue=s.exact)
+                    kv = read[s.key, s.exact]
                     kvs.append(kv if self._matches(kv, s, load) else None)
                 out.append((kvs, None))
             except Exception as e:  # a store that raises: the request fails, the step goes on
-                log.exception("reading the chunks of %s failed", load.req_id)
-                out.append(([None] * len(load.link.spans), f"{type(e).__name__}: {e}"))
+                out.append(([None] * len(load.link.spans), _internal_error("reading its chunks failed", e)))
         if self.tp_size == 1 or not out:
             return out
         # on the group's host (gloo) side: these flags live on the host, and a device all-reduce needs them on
@@ -424,10 +455,12 @@ class EpicConnector(KVConnectorBase_V1):
     def _matches(kv: ChunkKV | None, s, load: LoadSpec) -> bool:
         if kv is None or kv.num_tokens < s.offset + s.n:
             return False
+        if kv.tenant != load.tenant:  # another tenant's record: missing, as one never compiled
+            return False
         if not s.exact and load.link.sink is not None and kv.token_ids[0] != load.link.sink:
             return False  # compiled behind another sink
         if kv.token_ids[s.offset : s.offset + s.n] != load.token_ids[s.start : s.end]:
-            log.error("record %s does not hold the prompt's tokens at %d: recomputed", s.key, s.start)
+            log.debug("record %s does not hold the prompt's tokens at %d: recomputed", s.key, s.start)
             return False
         return True
 
@@ -503,10 +536,10 @@ class EpicConnector(KVConnectorBase_V1):
 
     @staticmethod
     def _fail_all(links: list[_Link], e: Exception) -> None:
-        log.exception("linking a pass of %d requests failed", len(links), exc_info=e)
+        why = _internal_error(f"linking a pass of {len(links)} requests failed", e)
         for x in links:
             if x.load.job.error is None:
-                x.load.job.error = f"{type(e).__name__}: {e}"
+                x.load.job.error = why
 
     def _report(self, links: list[_Link]) -> None:
         """The outcomes of finished links, for the scheduler side; failed ones also as failed blocks."""
@@ -590,17 +623,35 @@ class EpicConnector(KVConnectorBase_V1):
                     if cap.lead > 1:  # the sink's key, rotated to sit right before the chunk
                         cap.k[:, :1] = self.linker.rotator.rotate(cap.k[:, :1], cap.lead - 1).to(cap.k.dtype)
                     self._captures.pop(spec.req_id, None)
-                    key = spec.compile.key_for(self.fingerprint, spec.prompt)
-                    record = spec.compile.record_tokens(spec.prompt)
-                    kv = ChunkKV(self._rank_key(key), record, cap.k, cap.v, cap.lead - 1)
-                    self.stores.put(kv, glue=spec.compile.glue)
-                    self._step_results[spec.req_id] = {"stored": key}
-                    if spec.compile.lead > 0 and not spec.compile.glue:  # a chunk behind a lead: findable
-                        self._learned[key] = record[SINK_LEN:]
+                    self._store(spec, cap)
             except Exception as e:
-                log.exception("capturing %s failed", spec.req_id)
                 self._captures.pop(spec.req_id, None)
-                self._step_results[spec.req_id] = {"error": f"{type(e).__name__}: {e}"}
+                self._step_results[spec.req_id] = {"error": _internal_error(f"capturing {spec.req_id} failed", e)}
+
+    def _store(self, spec: CaptureSpec, cap: Capture) -> None:
+        """Store a complete compile's record under the key derived here (a client key that differs is refused:
+        nothing stored), scoped to its tenant; a chunk behind a lead is also learned by the finder."""
+        try:
+            key = spec.compile.key_for(self.fingerprint, spec.tenant, spec.prompt)
+        except ValueError as e:
+            log.warning("request %s: %s", spec.req_id, e)
+            self._step_results[spec.req_id] = {"error": str(e)}
+            return
+        record = spec.compile.record_tokens(spec.prompt)
+        lead = spec.compile.lead_of(spec.prompt)
+        kv = ChunkKV(self._rank_key(key), record, cap.k, cap.v, cap.lead - 1, lead=lead, tenant=spec.tenant)
+        self.stores.put(kv, glue=spec.compile.glue)
+        self._step_results[spec.req_id] = {"stored": key}
+        if spec.compile.lead > 0 and not spec.compile.glue:  # a chunk behind a lead: findable
+            self._learned[key] = (spec.tenant, record[SINK_LEN:])
+
+
+def _internal_error(what: str, e: BaseException) -> str:
+    """What a client is told of a failure inside the server: `what` and an id; the details (which may name
+    files, hosts or internals) go to the log under that id, secrets masked."""
+    eid = uuid.uuid4().hex[:12]
+    log.error("%s [error %s]: %s", what, eid, redact(f"{type(e).__name__}: {e}"), exc_info=e)
+    return f"{what} (error {eid}; details in the server log)"
 
 
 class EpicWorkerExtension:

@@ -6,13 +6,12 @@ import asyncio
 import logging
 import queue
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 
 from typing_extensions import Unpack
 
 from ..config import EngineConfig
-from ..keys import kv_fingerprint
+from ..keys import kv_fingerprint, record_key
 from ..matching import ChunkTextIndex
 from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
 from ..policy import SINK_LEN, parse_policy
@@ -27,6 +26,7 @@ from .jobs import LinkRequest
 from .request import LinkFailed, RequestRun, last_generation
 from .runtime import POLL_S, STALL_S, Runtime
 from .stores import ChunkStores, new_glue_store, register_local, unregister_local
+from .tenancy import SEP, unique_salt
 
 Request = RagRequest | str | Sequence[Segment] | PreparedRequest
 LINK_RETRIES = 1  # a request whose link failed is run again once, after its chunks were checked
@@ -73,6 +73,7 @@ class EpicEngine:
         lead = compile_lead(self.tokenizer, config.compile_lead)
         self.chunks = ChunkResolver(stores, self.runtime, self.tokenizer, fp, self.kv_info, self.max_model_len, lead)
         self.store = store  # read through the key check (see the setter)
+        stores.glue = KeyCheckedStore(stores.glue, self._entry_key)
         self.runtime.start()
 
     @property
@@ -87,12 +88,10 @@ class EpicEngine:
         self.chunks.store = KeyCheckedStore(store, self._entry_key)
 
     def _entry_key(self, kv: ChunkKV) -> str | None:
-        """The key this engine would store `kv` under, from its own token ids (a chunk record holds the
-        sink token(s) before the chunk's tokens; a tensor-parallel rank's record keeps its rank suffix);
-        None when the record cannot be this engine's."""
-        ids = self.chunks.record_tokens(kv)
-        base, dot, rank = kv.key.partition(".")
-        return None if ids is None else self.chunks.key(ids, base.partition("-")[0]) + dot + rank
+        """The key `kv` is stored under when it is this engine's: the one its own tenant, lead and tokens hash
+        to (keys.record_key; a tensor-parallel rank's record keeps its rank suffix); None for another
+        tenant's record."""
+        return record_key(self.chunks.fingerprint, kv) if kv.tenant == self.chunks.tenant_id else None
 
     # ------------------------------------------------------------------ compile
     def chunk_key(self, token_ids: Sequence[int], variant: str | None = None) -> str:
@@ -174,7 +173,8 @@ class EpicEngine:
             hits, keys = len(prep.chunks) - misses, [s.key for s in spans if not s.exact]
             link = LinkRequest(pol, self.chunks.sink_token, tuple(spans), on_missing="fail")
             kv_params = link.to_params()
-        salt = "epic-prefix" if pol.kind == "prefix" else uuid.uuid4().hex  # linked KV never reused as exact
+        # linked KV never reused as exact; the salt's namespace is this engine's tenant (tenancy.py)
+        salt = f"{self.chunks.tenant}{SEP}epic-prefix" if pol.kind == "prefix" else unique_salt(self.chunks.tenant)
         req_id = self.runtime.submit_tokens(
             prep.token_ids,
             sink,

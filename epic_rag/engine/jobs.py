@@ -13,13 +13,16 @@ Two forms, under the "epic" key:
   slower) or fails the request ("fail": EpicEngine's choice, which then checks its chunks and retries).
 - a compile: {"compile": {"lead": n, "key": key, "glue": false}}: the prompt is a compile lead of n tokens
   and a chunk; the worker copies the sink's and the chunk's KV out of the pages as the prefill runs and stores
-  the record once the prompt is complete, under `key` or, when none is given (a `vllm serve` client, which
-  cannot know the model's fingerprint), the key the worker derives from the lead and the chunk's tokens.
+  the record once the prompt is complete, under the key the worker derives itself from its model fingerprint,
+  the request's tenant (tenancy.py), the whole lead and the chunk's tokens (keys.py). `key` is optional: a
+  client that computed the key (EpicEngine) names it, and a compile whose key differs from the derived one is
+  refused, nothing stored. Glue (`glue: true`: a leading prefix, stored in the worker's private glue store) is
+  compiled bare: lead 0.
 
 The worker's outcome comes back in the finished request's kv_transfer_params (connector.request_finished):
 {"epic": {"stored": key}} or {"epic": {"error": why}} for a compile (a compile generates 2 tokens so that its
 outcome is known when it ends), {"epic": {"recomputed": n, "linked_spans": n, "missing": [keys]}} for a link
-that outlived its first step.
+that outlived its first step. A link names at most MAX_SPANS spans (kv_connector_extra_config "max_spans").
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ from typing import Any
 
 import torch
 
-from ..keys import chunk_key, compile_variant
+from ..keys import key_of, lead_id
 from ..policy import Policy, parse_policy
 from ..store import ChunkKV
 from ..store.base import check_key
 
+MAX_SPANS = 512  # spans one link may name: each is checked and sliced on the worker (records are read once)
 # query-<r>: the first tokens of each chunk always recomputed beside the probe's picks (a separately compiled
 # chunk's first token is an attention sink the question's attention cannot see past; measured, see README)
 QUERY_FLOOR = 1
@@ -87,9 +91,9 @@ class LinkRequest:
         return {"epic": {"link": link}}
 
     @classmethod
-    def from_params(cls, p: Any, num_prompt: int) -> LinkRequest:
+    def from_params(cls, p: Any, num_prompt: int, max_spans: int = MAX_SPANS) -> LinkRequest:
         """Parse and check a link (the "link" value); raises ValueError naming what is wrong. Spans must be
-        in prompt order, disjoint and inside the prompt."""
+        in prompt order, disjoint and inside the prompt, and at most `max_spans`."""
         if not isinstance(p, dict):
             raise ValueError("epic link: expected an object")
         policy = parse_policy(p.get("policy", ""))
@@ -101,6 +105,8 @@ class LinkRequest:
         raw = p.get("spans")
         if not isinstance(raw, list) or not raw:
             raise ValueError("epic link: spans must be a non-empty list")
+        if len(raw) > max_spans:  # refused before any span is looked at
+            raise ValueError(f"epic link: {len(raw)} spans, more than this server's limit of {max_spans}")
         spans, end = [], 0
         for s in raw:
             ok = isinstance(s, (list, tuple)) and len(s) == 5 and isinstance(s[0], str)
@@ -127,8 +133,8 @@ class LinkRequest:
 class CompileRequest:
     """A compile as it travels in kv_transfer_params."""
 
-    key: str | None  # None: derived by the worker (key_for)
-    lead: int  # prompt tokens before the chunk (the sink first); 0 for glue compiled bare
+    key: str | None  # the key the client expects (None: whatever the worker derives, key_for)
+    lead: int  # prompt tokens before the chunk (the sink first); 0 for glue and other bare compiles
     glue: bool = False  # stored in the worker's glue store (client-controlled prefixes) instead of the chunk store
 
     def to_params(self) -> dict[str, Any]:
@@ -144,19 +150,26 @@ class CompileRequest:
             raise ValueError(f"epic compile: lead must be an int in [0, {num_prompt}), got {lead!r}")
         if not isinstance(glue, bool):
             raise ValueError("epic compile: glue must be a boolean")
-        if key is None and glue:
-            raise ValueError("epic compile: glue compiles name their key")
+        if glue and lead:  # glue sits at position 0 with nothing before it: its KV must be computed bare
+            raise ValueError(f"epic compile: glue is compiled bare (lead 0), got lead {lead}")
         if key is not None:
             check_key(key)
         return cls(key, lead, glue)
 
-    def key_for(self, fingerprint: str, prompt: list[int]) -> str:
-        """The record's key: the given one, or the one EpicEngine computes for this lead and chunk."""
-        if self.key is not None:
-            return self.key
-        if self.lead == 0:
-            return chunk_key(fingerprint, prompt, "plain")
-        return chunk_key(fingerprint, prompt[self.lead :], compile_variant(prompt[: self.lead]))
+    def key_for(self, fingerprint: str, tenant: str, prompt: list[int]) -> str:
+        """The record's key, derived here from the fingerprint, the tenant id, the whole lead and the record's
+        tokens; ValueError when the client named another (nothing is stored under a key it chose)."""
+        key = key_of(fingerprint, tenant, self.lead_of(prompt), self.record_tokens(prompt))
+        if self.key is not None and self.key != key:
+            raise ValueError(
+                f"epic compile: key {self.key!r} is not the key of this tenant, lead and chunk "
+                "(the server derives keys; leave 'key' out)"
+            )
+        return key
+
+    def lead_of(self, prompt: list[int]) -> str:
+        """The id of the lead the chunk's KV is computed behind (keys.lead_id; "" for a bare compile)."""
+        return lead_id(prompt[: self.lead])
 
     def record_tokens(self, prompt: list[int]) -> list[int]:
         """The record's tokens: the lead's first token (the sink) and the chunk; a bare compile's prompt."""

@@ -19,6 +19,7 @@ from typing import Any
 from ..types import Delta
 from . import vllm_api
 from .heap import TRIM_EVERY_S, HeapTrimmer
+from .tenancy import unique_salt
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +56,16 @@ class Runtime:
         self._thread.start()
 
     def health(self) -> str | None:
-        """None while requests can be served; otherwise why not (a fatal error, a dead or unstarted thread)."""
+        """None while requests can be served; otherwise why not (a fatal error, a dead or unstarted thread,
+        vLLM's engine core process gone: vLLM's own monitor marks it dead, seen here even while idle)."""
         if self.fatal is not None:
             return f"engine stopped after a fatal error ({type(self.fatal).__name__})"
         if self._thread is None:
             return "engine thread not started"
         if not self._thread.is_alive():
             return "engine thread is not running"
+        if _core_dead(self.llm):
+            return "vLLM's engine core process has died"
         return None
 
     def wait_for(self, ev: threading.Event, stall_s: float = STALL_S) -> None:
@@ -110,10 +114,11 @@ class Runtime:
         seed: int | None = None,
         **options: Any,
     ) -> str:
-        """Submit a tokenized prompt; returns its request id. A fresh `salt` (the default) keeps its KV out
-        of everyone else's prefix-cache hits. `options`: further checked sampling options (epic_rag.sampling)."""
+        """Submit a tokenized prompt; returns its request id. A fresh `salt` (the default, in the default
+        tenant namespace: tenancy.py) keeps its KV out of everyone else's prefix-cache hits. `options`: further
+        checked sampling options (epic_rag.sampling)."""
         prompt, params = vllm_api.request_inputs(
-            prompt_ids, salt or uuid.uuid4().hex, max_tokens, temperature, stop, seed, kv_params, **options
+            prompt_ids, salt or unique_salt(), max_tokens, temperature, stop, seed, kv_params, **options
         )
         req_id = uuid.uuid4().hex
         self.submit(req_id, prompt, params, sink)
@@ -151,6 +156,8 @@ class Runtime:
                     self.llm.add_request(item.req_id, item.prompt, item.params)
                 except Exception as e:  # bad request: tell the caller, keep serving
                     _notify(item.sink, e)
+                    if _is_engine_dead(e):  # not this request's fault: no request can be served any more
+                        raise
                     continue
                 self._sinks[item.req_id] = item.sink
             elif self._sinks.pop(item[1], None) is not None:  # ("abort", req_id)
@@ -216,6 +223,19 @@ class Runtime:
             if not _notify(sink, d) and not out.finished:  # nobody can take its output: stop generating it
                 del self._sinks[rid]
                 self.llm.abort_request([rid])
+
+
+def _is_engine_dead(e: BaseException) -> bool:
+    """vLLM's EngineDeadError: its engine core (own process) is gone, for good."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(e, EngineDeadError)
+
+
+def _core_dead(llm) -> bool:
+    """Whether vLLM marked its engine core process dead (a multiprocess engine; False in-process)."""
+    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    return getattr(resources, "engine_dead", False) is True
 
 
 def _notify(sink: Callable[[Delta | BaseException], None], d: Delta | BaseException) -> bool:

@@ -7,7 +7,7 @@ the stores. Two ways to name them in `kv_connector_extra_config`:
   visible to both sides;
 - {"store": spec}: the worker opens the spec itself (epic_rag.store.open_store): vLLM's multiprocess engine
   core, `vllm serve`. Its memory tier is the worker's own; disk and Redis tiers are shared as usual. Entries
-  are read through the key check (store/checked.py) with the worker's own fingerprint.
+  are read through the key check (store/checked.py) with the worker's own fingerprint, glue too.
 Either way the glue store (system prompts and other client-controlled text before the first chunk) is a
 bounded, process-private LRU, never shared; and the records this process compiled lately are kept in a
 bounded process-private LRU too (`recent`: references to the same tensors a memory tier holds, so no second
@@ -111,6 +111,13 @@ def worker_stores(extra: dict[str, Any], fingerprint: str) -> ChunkStores:
     with _lock:
         stores = _OPENED.get((spec, fingerprint))
         if stores is None:
-            checked = KeyCheckedStore(open_store(spec), lambda kv: record_key(fingerprint, kv))
-            stores = _OPENED[(spec, fingerprint)] = ChunkStores(checked, new_glue_store())
+            stores = _OPENED[(spec, fingerprint)] = ChunkStores(
+                checked_store(open_store(spec), fingerprint), checked_store(new_glue_store(), fingerprint)
+            )
         return stores
+
+
+def checked_store(store: ChunkStore, fingerprint: str) -> KeyCheckedStore:
+    """`store` read through the key check: a record is served only under the key its own tenant, lead and
+    tokens hash to (keys.record_key), so one computed in another context or filed under another key is a miss."""
+    return KeyCheckedStore(store, lambda kv: record_key(fingerprint, kv))

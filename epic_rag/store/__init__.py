@@ -1,5 +1,8 @@
 """Chunk KV store: tiers behind one interface, opened from a spec string."""
 
+import contextlib
+
+from ..redact import redact
 from .base import ChunkKV, ChunkStore, CompileLock, FleetLock, TierStats
 from .checked import KeyCheckedStore
 from .codec import CorruptEntry
@@ -62,7 +65,8 @@ def open_store(spec: "str | ChunkStore") -> ChunkStore:
 
     if isinstance(spec, ChunkStore):
         return spec
-    tiers = [build_tier(t) for t in parse_spec(spec)]
+    with redacted_errors():
+        tiers = [build_tier(t) for t in parse_spec(spec)]
     return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
 
 
@@ -72,10 +76,21 @@ def open_shared_tiers(spec: str) -> ChunkStore:
     has none."""
     from .spec import build_tier, parse_spec
 
-    tiers = [build_tier(t) for t in parse_spec(spec) if t.kind not in ("memory", "gpu")]
+    with redacted_errors():
+        tiers = [build_tier(t) for t in parse_spec(spec) if t.kind not in ("memory", "gpu")]
     if not tiers:
         return MemoryStore(max_bytes=1)  # holds nothing: every record is larger
     return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
+
+
+@contextlib.contextmanager
+def redacted_errors():
+    """A spec's ValueError re-raised with its secrets masked (redact): its text, which quotes the spec, reaches
+    logs and clients."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(redact(e)) from None
 
 
 def __getattr__(name: str):

@@ -42,7 +42,10 @@ class ChunkKV:
 
     Keys are post-RoPE at positions base_pos .. base_pos+T-1 (as the engine computed them), so
     linking at real position p rotates them by p - base_pos. `quant` says whether the values went
-    through a lossy tier ("int8"): shared exact tiers never store such an entry.
+    through a lossy tier ("int8"): shared exact tiers never store such an entry. `lead` and `tenant` are
+    the ids (keys.lead_id, keys.tenant_id) of the compile lead the KV was computed behind and of the tenant
+    namespace the record belongs to: its key commits to both (keys.record_key), so a reader refuses a record
+    computed in another context or filed for another tenant. Empty: none (a test's or an old record).
     """
 
     key: str
@@ -51,6 +54,8 @@ class ChunkKV:
     v: torch.Tensor  # v: [L, T, Hkv, D]
     base_pos: int = 0
     quant: str = "none"
+    lead: str = ""
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if self.k.shape != self.v.shape or self.k.dim() != 4:
@@ -81,6 +86,8 @@ class ChunkKV:
             self.v[:, start:stop],
             self.base_pos + start,
             self.quant,
+            self.lead,
+            self.tenant,
         )
 
 

@@ -7,7 +7,11 @@ Layout (a plain safetensors file, readable by `safetensors.safe_open`):
               k_q, v_q        [L, T, H, D] int8                               (quant "int8")
               k_scale, v_scale [L, T, H, 1] float32  (x ~= x_q * scale, per token per head)
               token_ids       [T] int64
-    metadata  {"epic": JSON}  format, key, quant, dtype, shape [L, T, H, D], base_pos, sha256[, hmac]
+    metadata  {"epic": JSON}  format, key, quant, dtype, shape [L, T, H, D], base_pos, lead, tenant,
+                              sha256[, hmac]
+
+`lead` and `tenant` are the record's context ids (ChunkKV; hex, empty for none): covered by the checksum and
+the HMAC like every header field, and checked against the key by the reader (keys.record_key).
 
 The checksum is sha256 over the canonical JSON header (without the checksums) and every tensor's bytes
 in name order, so any flipped byte, in the header or the data, is found. A sha256 stops accidents, not a
@@ -25,6 +29,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import struct
 from collections.abc import Callable
 
@@ -37,6 +42,7 @@ FORMAT = "epic-chunk-kv/1"
 _MAX_HEADER = 1 << 20
 SECRET_ENV = "EPIC_RAG_KV_SECRET"
 _CHECKSUMS = ("sha256", "hmac")  # header fields the digests leave out
+_HEX = re.compile(r"[0-9a-f]{0,64}")  # a context id (keys.lead_id, keys.tenant_id) or none
 
 # safetensors dtype names <-> torch dtypes (the KV dtypes a model may use, plus what int8 packing needs).
 _ST_DTYPES = {
@@ -116,6 +122,8 @@ def pack(kv: ChunkKV, quant: str) -> tuple[dict, dict[str, torch.Tensor]]:
         "dtype": dtype,
         "shape": list(k.shape),
         "base_pos": int(kv.base_pos),
+        "lead": kv.lead,
+        "tenant": kv.tenant,
     }
     return meta, tensors
 
@@ -150,6 +158,9 @@ def _check_meta(meta, key: str, quant: str) -> None:
         raise CorruptEntry(f"entry has a bad shape {shape!r}")
     if not isinstance(meta.get("base_pos"), int) or meta["base_pos"] < 0:
         raise CorruptEntry("entry has a bad base_pos")
+    for name in ("lead", "tenant"):  # absent in entries written before records carried their context
+        if not isinstance(meta.get(name, ""), str) or not _HEX.fullmatch(meta.get(name, "")):
+            raise CorruptEntry(f"entry has a bad {name} id")
 
 
 def unpack(meta: dict, tensors: dict[str, torch.Tensor], key: str, quant: str) -> ChunkKV:
@@ -170,7 +181,14 @@ def unpack(meta: dict, tensors: dict[str, torch.Tensor], key: str, quant: str) -
         v = dequantize_int8(tensors["v_q"], tensors["v_scale"], kv_dtype)
     try:
         return ChunkKV(
-            key=key, token_ids=tensors["token_ids"].tolist(), k=k, v=v, base_pos=meta["base_pos"], quant=quant
+            key=key,
+            token_ids=tensors["token_ids"].tolist(),
+            k=k,
+            v=v,
+            base_pos=meta["base_pos"],
+            quant=quant,
+            lead=meta.get("lead", ""),
+            tenant=meta.get("tenant", ""),
         )
     except ValueError as e:
         raise CorruptEntry(str(e)) from e

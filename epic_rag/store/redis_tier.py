@@ -50,6 +50,9 @@ _DEL_IF_SAME = (
 _DEL_IF_EQ = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 MAX_VALUE_BYTES = 512 << 20  # Redis refuses larger values (proto-max-bulk-len)
+# The largest entry a parts manifest may announce: far above any record (a 32k-token chunk of a 7B model's fp16
+# KV is 4 GiB), so only a planted manifest reaches it; the reader never allocates before the parts arrive.
+MAX_ENTRY_BYTES = 16 << 30
 DEFAULT_PART_BYTES = 256 << 20
 MIN_PART_BYTES = 1 << 10  # (a manifest is a few hundred bytes: every value stays under max_part_bytes)
 DEFAULT_LOCK_TTL = 120.0
@@ -102,6 +105,8 @@ def parse_manifest(data: bytes, key: str, quant: str) -> dict:
     if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in ints):
         raise codec.CorruptEntry(f"parts manifest has bad sizes {ints}")
     parts, part_bytes, size = ints
+    if size > MAX_ENTRY_BYTES:
+        raise codec.CorruptEntry(f"parts manifest announces {size} bytes, over the {MAX_ENTRY_BYTES}-byte limit")
     if part_bytes > MAX_VALUE_BYTES or not (parts - 1) * part_bytes < size <= parts * part_bytes:
         raise codec.CorruptEntry(f"parts manifest: {size} bytes do not make {parts} parts of {part_bytes}")
     if not isinstance(m.get("id"), str) or not _ID.fullmatch(m["id"]) or not isinstance(m.get("sha256"), str):
@@ -267,7 +272,7 @@ class RedisStore(ChunkStore):
         """The entry's bytes from the parts manifest `m` names; None when a part is gone (expired, evicted,
         replaced), _SKIP when the server failed; raises CorruptEntry for a part of the wrong length."""
         n, pb, size = m["parts"], m["part_bytes"], m["size"]
-        buf = bytearray(size)
+        buf = bytearray()  # grows with the parts read: a manifest's size alone never allocates anything
         per = max(1, _BATCH_BYTES // pb)
         for start in range(0, n, per):
             idx = range(start, min(n, start + per))
@@ -287,7 +292,7 @@ class RedisStore(ChunkStore):
                 want = min(pb, size - i * pb)
                 if len(value) != want:
                     raise codec.CorruptEntry(f"part {i} holds {len(value)} bytes, its manifest says {want}")
-                buf[i * pb : i * pb + want] = value
+                buf += value
         return buf
 
     def _retire(self, key: str, head, grace: bool) -> None:
