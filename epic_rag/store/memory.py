@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -42,7 +43,7 @@ class MemoryStore(ChunkStore):
         if not self.pin or kv.k.device.type != "cpu" or (kv.k.is_pinned() and kv.v.is_pinned()):
             return kv
         k, v = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in (kv.k, kv.v))
-        return ChunkKV(kv.key, kv.token_ids, k, v, kv.base_pos, kv.quant, kv.lead, kv.tenant)
+        return dataclasses.replace(kv, k=k, v=v)
 
     def get(self, key: str) -> ChunkKV | None:
         check_key(key)
@@ -143,7 +144,7 @@ class DeviceStore(MemoryStore):
         if kv.k.device == self.device and kv.v.device == self.device:
             return kv
         k, v = (t.to(self.device, non_blocking=t.is_pinned()) for t in (kv.k, kv.v))
-        return ChunkKV(kv.key, kv.token_ids, k, v, kv.base_pos, kv.quant, kv.lead, kv.tenant)
+        return dataclasses.replace(kv, k=k, v=v)
 
     def put(self, kv: ChunkKV) -> None:
         if kv.quant != "none":
