@@ -438,11 +438,19 @@ def _section(title: str, note: str | None, columns: list[str], rows: list[list])
     return [f"## {title}", ""] + ([note, ""] if note else []) + table(columns, rows) + [""]
 
 
+def _link_ttft(link: dict | None) -> list[dict] | None:
+    """The link benchmark's TTFT rows as sync rows (its context: chunks x chunk tokens)."""
+    if not link:
+        return None
+    return [{**r, "context": link["chunks"] * link["chunk_tokens"]} for r in link["ttft"]]
+
+
 def write_report(out: Path, title: str = "Benchmarks") -> Path:
     """Assemble every result file present under `out` into out/README.md (+ plots)."""
     meta = load_json(out, "meta") or {}
-    sync, load, scal, acc = (load_json(out, n) for n in ("sync", "load", "scaling", "accuracy"))
-    plots = _plots(out, sync, load, acc, meta.get("model", "?"))
+    sync, load, scal, acc, link = (load_json(out, n) for n in ("sync", "load", "scaling", "accuracy", "link"))
+    ttft = sync or _link_ttft(link)  # the TTFT side of the accuracy picture: the link benchmark's when alone
+    plots = _plots(out, ttft, load, acc, meta.get("model", "?") if meta else (acc or {}).get("model", "?"))
     md = [
         f"# {title}",
         "",
