@@ -143,8 +143,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"epic-rag demo: {e}", file=sys.stderr)
         return 2
 
+    from .background import BackgroundServer
     from .config import demo_store_spec, open_demo_store
-    from .server import BackgroundServer, create_app
+    from .server import create_app
 
     app = create_app(engine=None, config=cfg)
     state = app.state.demo
