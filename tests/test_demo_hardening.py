@@ -13,8 +13,9 @@ import httpx
 import pytest
 from test_demo_unit import FACTS, FakeEngine, HashEncoder
 
+from epic_rag_demo.background import BackgroundServer
 from epic_rag_demo.config import DemoConfig
-from epic_rag_demo.server import BackgroundServer, create_app
+from epic_rag_demo.server import create_app
 
 
 @contextlib.contextmanager
@@ -395,7 +396,7 @@ def test_an_engine_that_says_nothing_gets_keepalives_then_the_stream_ends_with_a
 
 # ---------------------------------------------------------------------- 9. tests that can fail
 def test_the_soak_memory_check_fails_on_growth_the_memory_tier_does_not_explain():
-    from epic_rag_demo import soak
+    from epic_rag.bench import soak
 
     mib = 1 << 20
 
