@@ -18,7 +18,7 @@ from .connector_meta import CaptureSpec, EpicMeta, EpicWorkerMeta, LoadSpec
 from .finder import ChunkFinder
 from .jobs import CompileRequest, LinkRequest, epic_params
 
-log = logging.getLogger("epic_rag.engine.connector")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ from .linker import Linker, LinkLoad, LinkPass
 from .stores import ChunkStores, worker_stores
 from .support import check_supported
 
-log = logging.getLogger("epic_rag.engine.connector")
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False, slots=True)
