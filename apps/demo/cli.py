@@ -14,7 +14,7 @@ log = logging.getLogger("epic_rag_demo")
 
 
 def register(subparsers) -> None:
-    from .config import DEMO_MODEL
+    from epic_rag.models import DEMO_MODEL
 
     d = subparsers.add_parser(
         "demo",
