@@ -341,6 +341,7 @@ KILL_CHUNKS = [
 ]
 
 
+@pytest.mark.slow  # starts an engine process and kills it
 def test_engine_killed_mid_write_leaves_no_entry_that_reads_as_valid(tiny_engine, with_store, tmp_path):
     d = tmp_path / "kv"
     d.mkdir()

@@ -18,6 +18,8 @@ from epic_rag_demo.background import BackgroundServer
 from epic_rag_demo.config import DemoConfig
 from epic_rag_demo.server import create_app
 
+pytestmark = pytest.mark.slow  # starts schemathesis against the demo server
+
 KEY = "fuzz-key"
 
 pytest.importorskip("schemathesis")
