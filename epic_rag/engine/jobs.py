@@ -38,9 +38,6 @@ from ..store import ChunkKV
 from ..store.base import check_key
 
 MAX_SPANS = 512  # spans one link may name: each is checked and sliced on the worker (records are read once)
-# query-<r>: the first tokens of each chunk always recomputed beside the probe's picks (a separately compiled
-# chunk's first token is an attention sink the question's attention cannot see past; measured, see README)
-QUERY_FLOOR = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,15 +238,12 @@ def initial_recompute(T: int, extents: list[tuple[int, int, bool]], policy: Poli
 
 def planned_recompute(T: int, extents: list[tuple[int, int, bool]], policy: Policy) -> int:
     """Tokens a link of these spans recomputes in its last layer when every record is found (the linker's
-    count: CacheBlend keeps every uncached token and round(ratio x candidates) of the chunk tokens; query-<r>
-    the same, and each chunk's first QUERY_FLOOR tokens besides where its picks miss them: at most that)."""
+    count: CacheBlend and query-<r> keep every uncached token and round(ratio x candidates) of the chunk
+    tokens)."""
     if policy.kind not in ("cacheblend", "query"):
         return len(initial_recompute(T, extents, policy))
     cached, candidate = masks(T, extents)
-    n = int((~cached).sum()) + int(round(policy.ratio * int(candidate.sum())))
-    if policy.kind == "query":
-        n += sum(min(QUERY_FLOOR, k) for _, k, exact in extents if not exact)
-    return min(n, T)
+    return int((~cached).sum()) + int(round(policy.ratio * int(candidate.sum())))
 
 
 @dataclass(slots=True)
