@@ -53,8 +53,9 @@ def chunks(docs, engine, args):
 
 
 def print_figures(stats: dict, sources: list[str]) -> None:
-    """One answer's sources and linking figures (the engine's Generation fields)."""
-    print("   sources:", ", ".join(sources))
+    """One answer's sources (when known) and linking figures (the engine's Generation fields)."""
+    if sources:
+        print("   sources:", ", ".join(sources))
     print(
         f"   ttft {stats['ttft_s'] * 1000:.0f} ms | linked {stats['linked_tokens']} / "
         f"recomputed {stats['recomputed_tokens']} prompt tokens | chunks: {stats['chunk_hits']} hits, "
