@@ -131,6 +131,19 @@ class _BufferOnly(FlashAttnLayout):
         return False
 
 
+def _stub_linker(model, caches, layout, workspace_tokens, **kw) -> linker.Linker:
+    """A Linker over the stub model's layers and their caches (one per layer, in order)."""
+    return linker.Linker(
+        model=model,
+        kv_caches={f"model.layers.{li}.self_attn.attn": c for li, c in enumerate(caches)},
+        layout=layout,
+        rotator=KeyRotator(model.rotary),
+        block_size=N,
+        workspace_tokens=workspace_tokens,
+        **kw,
+    )
+
+
 def _link(model, layout, jobs, starts, dtype, fused=None, prefix=None):
     L = len(model.model.layers)
     T = max(len(j.token_ids) for j in jobs)
@@ -139,16 +152,7 @@ def _link(model, layout, jobs, starts, dtype, fused=None, prefix=None):
     if prefix is not None:  # vLLM's own KV below each request's start (a prefix-cache hit)
         for c in caches:
             c.copy_(prefix[: c.numel()].view(c.shape).to(dtype))
-    kv = {f"model.layers.{li}.self_attn.attn": c for li, c in enumerate(caches)}
-    ln = linker.Linker(
-        model=model,
-        kv_caches=kv,
-        layout=layout,
-        rotator=KeyRotator(model.rotary),
-        block_size=N,
-        workspace_tokens=sum(len(j.token_ids) for j in jobs),
-        fused=fused,
-    )
+    ln = _stub_linker(model, caches, layout, sum(len(j.token_ids) for j in jobs), fused=fused)
     per = -(-T // N)
     loads = [
         linker.LinkLoad(j, list(range(1 + i * per, 1 + (i + 1) * per)), s, len(j.token_ids))
@@ -291,15 +295,7 @@ def _pass(model, chunks, fused, stage_all=False):
     job = _job(recs, "legolink-16")
     T = len(job.token_ids)
     caches = _flash_caches(L, model.hk, model.d, -(-T // N) + 1, torch.float32)
-    ln = linker.Linker(
-        model=model,
-        kv_caches={f"model.layers.{li}.self_attn.attn": c for li, c in enumerate(caches)},
-        layout=FlashAttnLayout(_StubKernels()),
-        rotator=KeyRotator(model.rotary),
-        block_size=N,
-        workspace_tokens=T,
-        fused=fused,
-    )
+    ln = _stub_linker(model, caches, FlashAttnLayout(_StubKernels()), T, fused=fused)
     if fused:
         ln.filler.stage_all = stage_all
     p, _ = ln.begin([linker.LinkLoad(job, list(range(-(-T // N))), 0, T)])
@@ -354,15 +350,7 @@ def test_a_pass_never_reads_a_device_value_on_the_host(fused):
     job = _job(_records(L, 2, 16, torch.float32, g, chunks=chunks), "legolink-16", glue=20)
     T = len(job.token_ids)
     caches = [torch.empty(-(-T // N) + 1, 2, N, 32, device="meta") for _ in range(L)]
-    ln = linker.Linker(
-        model=model,
-        kv_caches={f"model.layers.{li}.self_attn.attn": c for li, c in enumerate(caches)},
-        layout=FlashAttnLayout(_StubKernels()),
-        rotator=KeyRotator(model.rotary),
-        block_size=N,
-        workspace_tokens=T,
-        fused=fused,
-    )
+    ln = _stub_linker(model, caches, FlashAttnLayout(_StubKernels()), T, fused=fused)
     p, _ = ln.begin([linker.LinkLoad(job, list(range(-(-T // N))), 16, T)])  # a prefix hit below 16 too
     assert p is not None and job.error is None, job.error
     if not fused:  # the fused kernel itself cannot run on meta tensors
@@ -496,15 +484,7 @@ def test_a_request_failing_its_checks_on_another_tensor_parallel_rank_is_failed_
         seen.append(list(flags))
         return [True, False]
 
-    ln = linker.Linker(
-        model=model,
-        kv_caches={f"model.layers.{li}.self_attn.attn": c for li, c in enumerate(caches)},
-        layout=FlashAttnLayout(_StubKernels()),
-        rotator=KeyRotator(model.rotary),
-        block_size=N,
-        workspace_tokens=2 * T,
-        agree=other_rank_failed_the_first,
-    )
+    ln = _stub_linker(model, caches, FlashAttnLayout(_StubKernels()), 2 * T, agree=other_rank_failed_the_first)
     per = -(-T // N)
     loads = [linker.LinkLoad(j, list(range(i * per, (i + 1) * per)), 0, T) for i, j in enumerate(jobs)]
     p, rest = ln.begin(loads)
