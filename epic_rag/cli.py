@@ -11,6 +11,7 @@ import time
 from collections import Counter
 
 from .corpus import TextChunk, chunk_document, load_documents
+from .models import DEMO_MODEL
 from .redact import redact
 
 _WORD = re.compile(r"[A-Za-z0-9_]+")
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="POLICY",
         help="run the question under several policies (e.g. full legolink-16 naive)",
     )
-    a.add_argument("--model", default="smollm2-135m-instruct")
+    a.add_argument("--model", default=DEMO_MODEL, help=f"packaged model name or model folder (default {DEMO_MODEL})")
     a.add_argument("--store", default="memory")
     a.add_argument("--top-k", type=int, default=4)
     a.add_argument("--chunk-tokens", type=int, default=512)

@@ -14,40 +14,61 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class EngineConfig:
+    """What an EpicEngine runs; every field is checked when the config is made (ValueError naming it).
+
+    Attributes:
+        model: a packaged model name (`epic-rag models`) or a local Hugging Face model folder. The default,
+            SmolLM2-135M-Instruct, is the tests' fast model; the demo and the examples run
+            Qwen2.5-Coder-0.5B-Instruct (`models.DEMO_MODEL`).
+        policy: the default link policy (policy.parse_policy); each request may name another.
+        store: a chunk store spec (store.open_store, e.g. "memory+disk:/path") or an open ChunkStore.
+        dtype: "auto" (fp32 on CPUs without native bf16, bf16 on GPUs), "float32", "bfloat16" or "float16".
+        max_model_len: the context window, in tokens.
+        max_num_seqs: requests vLLM runs at once.
+        kv_cache_gib: CPU: vLLM's paged KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB).
+        gpu_memory_utilization: the share of the GPU's memory vLLM may take (on CPU: of the NUMA node's RAM);
+            on a GPU the linker's staging and the store's gpu tier are taken out of it.
+        max_num_batched_tokens: tokens vLLM schedules in one step.
+        link_workspace_tokens: prompt tokens one batched link pass holds, summed over its requests (the
+            linker's buffers on CPU, its staging ring on a GPU, allocated once). 0: twice max_model_len.
+        async_links: links load asynchronously: a linking request waits while its link runs a few layers
+            after each step's forward, for at most link_step_share x that forward's time, so running requests'
+            decodes are delayed by a bounded share; a step with nothing else to run links to the end. False:
+            each link runs whole inside the step that first schedules its request. Tensor parallelism always
+            links synchronously.
+        link_step_share: see async_links (>= 0).
+        seed: vLLM's seed.
+        compile_lead: what every chunk is compiled behind: "template" (the default prompt up to its first
+            document) or "sink" (the sink token alone: EPIC's reference compile, [BOS] + chunk from position
+            0). Part of the keys.
+        heap_trim_s: under load the engine thread hands freed heap memory back to the OS (glibc malloc_trim)
+            at most this often, and once after work when idle; 0 turns it off (engine/heap.py).
+        multiprocess: run vLLM's engine core (scheduler, model, linker) in its own process, as `vllm serve`
+            does: the caller's threads then never share a GIL with the forward. Needs `store` as a spec string
+            (the core opens it).
+        tensor_parallel_size: shard the model over this many workers (vLLM's tensor parallelism; each rank
+            stores and links its own KV heads). Workers are separate processes: `store` must be a spec string.
+        enforce_eager: vLLM without torch.compile and CUDA graphs. None: on CPU only (what runs there); on a
+            GPU graphs stay on for every request's decode (the linker runs its layers eagerly itself).
+    """
+
     model: str = DEFAULT_MODEL
-    policy: str = "legolink-16"  # default link policy; each request may override it
-    store: "str | ChunkStore" = "memory"  # chunk store spec (see epic_rag.store.open_store) or an open store
-    dtype: str = "auto"  # auto: fp32 on CPUs without native bf16, bf16 on GPUs
+    policy: str = "legolink-16"
+    store: "str | ChunkStore" = "memory"
+    dtype: str = "auto"
     max_model_len: int = 8192
     max_num_seqs: int = 16
-    kv_cache_gib: int = 2  # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB)
-    gpu_memory_utilization: float = 0.3  # CPU: fraction of the NUMA node's RAM vLLM may take
+    kv_cache_gib: int = 2
+    gpu_memory_utilization: float = 0.3
     max_num_batched_tokens: int = 4096
-    # Prompt tokens one batched link pass holds, summed over its requests (the linker's buffers on CPU, its
-    # staging ring on a GPU, allocated once; on a GPU taken out of gpu_memory_utilization's share, as is the
-    # store's gpu tier). 0: twice max_model_len.
     link_workspace_tokens: int = 0
-    # Links load asynchronously: a linking request waits while its link runs a few layers after each step's
-    # forward, for at most link_step_share x that forward's time, so running requests' decodes are delayed by
-    # a bounded share; a step with nothing else to run links to the end. Off: each link runs whole inside the
-    # step that first schedules its request. Tensor parallelism always links synchronously.
     async_links: bool = True
     link_step_share: float = 1.0
     seed: int = 0
-    # What every chunk is compiled behind: "template" (the default prompt up to its first document) or
-    # "sink" (the sink token alone: EPIC's reference compile, [BOS] + chunk from position 0). Part of the keys.
     compile_lead: str = "template"
-    # Under load the engine thread hands freed heap memory back to the OS (glibc malloc_trim) at most this
-    # often, and once after work when idle; 0 turns it off (engine/heap.py).
     heap_trim_s: float = 10.0
-    # Run vLLM's engine core (scheduler, model, linker) in its own process, as `vllm serve` does: the caller's
-    # threads then never share a GIL with the forward. Needs `store` as a spec string (the core opens it).
     multiprocess: bool = False
-    # Shard the model over this many workers (vLLM's tensor parallelism; each rank stores and links its own
-    # KV heads). Workers are separate processes: `store` must be a spec string.
     tensor_parallel_size: int = 1
-    # vLLM without torch.compile and CUDA graphs. None: on CPU only (what runs there); on a GPU graphs stay on
-    # for every request's decode (the linker runs its layers eagerly itself and needs neither off).
     enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:

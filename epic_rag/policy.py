@@ -10,7 +10,7 @@ chunk's. Policies differ in whether the sink stays in the prompt:
 - dropped (EPIC's LegoLink-0 recipe): the prompt holds the chunk's own tokens, whose KV was computed against
   a real attention sink instead of making the chunk's first word the sink; `legolink-sink-<k>` recomputes
   the first k chunk tokens, `legolink-0` none.
-`legolink-<k>` means the form named by DEFAULT_LEGOLINK_FORM (the better-measured one, see the README).
+`legolink-<k>` means the form named by DEFAULT_LEGOLINK_FORM (the better-measured one, docs/benchmarks.md).
 
 `query-<r>` (query-aware linking, sink form) asks the question first: a probe pass runs the prompt's uncached
 tokens and its tail (question, template) over the linked chunk KV, scores every chunk token by the attention
@@ -33,11 +33,22 @@ DEFAULT_LEGOLINK_FORM: Form = "sink"
 
 @dataclass(frozen=True, slots=True)
 class Policy:
+    """A parsed link policy (parse_policy).
+
+    Attributes:
+        name: as given, lower-cased ("legolink-16").
+        kind: full, prefix, naive, legolink, cacheblend or query.
+        k: legolink: tokens recomputed at the head of each chunk's span.
+        ratio: cacheblend, query: fraction of chunk tokens recomputed (after the check layer / the probe).
+        form: legolink, query: which compiled form it links, "epic" (the sink kept) or "sink" (the sink
+            dropped; see the module docstring).
+    """
+
     name: str
     kind: Kind
-    k: int = 0  # legolink: tokens recomputed at the head of each chunk's span
-    ratio: float = 0.0  # cacheblend, query: fraction of chunk tokens recomputed (after the check layer / probe)
-    form: Form | None = None  # legolink: which compiled form it links (see the module docstring)
+    k: int = 0
+    ratio: float = 0.0
+    form: Form | None = None
 
     @property
     def links_chunks(self) -> bool:

@@ -10,7 +10,14 @@ from .policy import Policy
 
 @dataclass(frozen=True, slots=True)
 class ChunkRef:
-    """A compiled chunk: `key` addresses its KV in the chunk store (content-derived)."""
+    """A compiled chunk (what EpicEngine.compile returns).
+
+    Attributes:
+        key: addresses its KV in the chunk store; content-derived (keys.py: model, tokenizer, KV dtype, compile
+            lead, tenant and tokens).
+        num_tokens: its tokens.
+        text: its text, when known (the engine then needs no look-up for its tokens).
+    """
 
     key: str
     num_tokens: int
@@ -31,13 +38,19 @@ Segment = str | Chunk | ChunkRef
 
 @dataclass(slots=True)
 class RagRequest:
-    """A question over retrieved chunks, rendered through the model's chat template."""
+    """A question over retrieved chunks, rendered through the model's chat template.
+
+    Attributes:
+        question: the user's question.
+        chunks: the retrieved chunks in prompt order: ChunkRefs, or texts (compiled on the fly when missing).
+        system: a system message (None: the model's default).
+        template: the user message, with a `{context}` and a `{question}` slot (each once; other braces are
+            text). `{context}` becomes the chunks as "Document i:\n<chunk>\n\n". None: prompt.DEFAULT_TEMPLATE.
+    """
 
     question: str
     chunks: list[str | ChunkRef] = field(default_factory=list)
     system: str | None = None
-    # The user message, with a `{context}` and a `{question}` slot (each once; other braces are text).
-    # `{context}` becomes the chunks as "Document i:\n<chunk>\n\n". None: prompt.DEFAULT_TEMPLATE.
     template: str | None = None
 
 
@@ -95,33 +108,61 @@ TokenLogprob = dict[str, Any]
 
 @dataclass(slots=True)
 class Delta:
-    """One step's new output of a streaming request (`EpicEngine.stream_events` yields these, then a Generation)."""
+    """One step's new output of a streaming request (`EpicEngine.stream_events` yields these, then a Generation).
+
+    Attributes:
+        text: the new text.
+        token_ids: the new tokens.
+        finished: whether the request ended with this step.
+        finish_reason: vLLM's ("stop", "length", ...) once finished.
+        t: time.perf_counter() when the step produced it.
+        cached_tokens: prompt tokens vLLM served from its own prefix cache.
+        logprobs: one TokenLogprob per token in token_ids, when requested.
+        kv_transfer_params: the KV connector's outcome, on the finished delta.
+    """
 
     text: str
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
-    t: float  # time.perf_counter() when the step produced it
-    cached_tokens: int | None = None  # prompt tokens vLLM served from its own prefix cache
-    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when requested
-    kv_transfer_params: dict | None = None  # the KV connector's outcome, on the finished delta
+    t: float
+    cached_tokens: int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    kv_transfer_params: dict | None = None
 
 
 @dataclass(slots=True)
 class Generation:
-    """Result of one request, with the linking figures that explain its TTFT."""
+    """Result of one request, with the linking figures that explain its TTFT.
+
+    Attributes:
+        text: the answer.
+        token_ids: its tokens.
+        ttft_s: time to the first token, from submission.
+        total_s: time to the last token.
+        prompt_tokens: tokens in the prompt.
+        linked_tokens: prompt tokens whose KV came from compiled chunks.
+        recomputed_tokens: prompt tokens the linker recomputed (chunk heads, glue, blend picks).
+        chunk_hits: chunks found compiled.
+        chunk_misses: chunks compiled for this request.
+        policy: the link policy it ran under.
+        finish_reason: vLLM's ("stop", "length", ...).
+        chunk_keys: the keys of its chunks, in prompt order.
+        prefix_cached_tokens: `prefix` policy: prompt tokens served by vLLM's exact prefix cache.
+        logprobs: one TokenLogprob per generated token, when `logprobs` was requested.
+    """
 
     text: str
     token_ids: list[int]
     ttft_s: float
     total_s: float
     prompt_tokens: int
-    linked_tokens: int  # prompt tokens whose KV came from compiled chunks
-    recomputed_tokens: int  # prompt tokens the linker recomputed (chunk heads, glue, blend picks)
+    linked_tokens: int
+    recomputed_tokens: int
     chunk_hits: int
     chunk_misses: int
     policy: str
     finish_reason: str | None = None
     chunk_keys: list[str] = field(default_factory=list)
-    prefix_cached_tokens: int = 0  # `prefix` policy: prompt tokens served by vLLM's exact prefix cache
-    logprobs: list[TokenLogprob] | None = None  # one per generated token when `logprobs` was requested
+    prefix_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None

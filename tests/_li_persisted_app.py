@@ -92,26 +92,14 @@ class _Lines(logging.Handler):
 
 
 def query(folder: Path) -> dict[str, Any]:
+    from _llamaindex_events import EventCatcher
     from llama_index.core import StorageContext, load_index_from_storage
-    from llama_index.core.bridge.pydantic import Field
     from llama_index.core.instrumentation import get_dispatcher
-    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
     from llama_index.core.instrumentation.events.llm import LLMChatEndEvent, LLMCompletionEndEvent
 
     from epic_rag.integrations.llamaindex import EpicLLM, EpicNodeCompiler, node_llm_text
 
-    class Ends(BaseEventHandler):
-        stats: list = Field(default_factory=list)
-
-        @classmethod
-        def class_name(cls) -> str:
-            return "Ends"
-
-        def handle(self, event: Any, **kwargs: Any) -> None:
-            if isinstance(event, (LLMChatEndEvent, LLMCompletionEndEvent)):
-                self.stats.append(dict(event.response.additional_kwargs))
-
-    ends = Ends()
+    ends = EventCatcher()
     get_dispatcher().add_event_handler(ends)
     log = _Lines()
     logger = logging.getLogger("epic_rag.engine.request")
@@ -135,7 +123,11 @@ def query(folder: Path) -> dict[str, Any]:
             "store_keys_after": sorted(engine.store.keys()),
             "sources": sources,
             "source_keys": [[engine.text_index.get(t).key for t in s] for s in sources],
-            "requests": ends.stats,
+            "requests": [
+                dict(e.response.additional_kwargs)
+                for e in ends.events
+                if isinstance(e, (LLMChatEndEvent, LLMCompletionEndEvent))
+            ],
             "linked_nothing_log": [line for line in log.lines if "linked nothing" in line],
             "tiers": engine.store.tier_stats(),
             "puts": _puts(engine),

@@ -176,7 +176,7 @@ def test_sweep_records_a_cap_when_the_budget_ends_it_before_saturation():
     assert all(r["saturated"] is None for r in rows)
     assert srv.now <= 180  # no step was started that would not fit the budget
     # each step's cut deadline is 1.25x the budget less the time already spent
-    assert srv.calls[0][3] == pytest.approx(L.CUT_AFTER * 180)
+    assert srv.calls[0][3] == pytest.approx(s.cut_after * 180)
 
 
 def test_sweep_stops_on_a_cut_step_and_on_errors():

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from epic_rag.engine import connector as conn
+from epic_rag.engine import connector_meta as cm
 from epic_rag.engine.budget import HostBudget
+from epic_rag.engine.connector_config import ConnectorConfig
 from epic_rag.engine.finder import ANCHOR, ChunkFinder
 from epic_rag.engine.jobs import MAX_SPANS, LinkRequest, SpanRef
 from epic_rag.engine.stores import ChunkStores
@@ -71,7 +73,7 @@ def _scheduler(find: str | None = None, **extra) -> conn.EpicConnector:
     return c
 
 
-def _worker(meta: conn.EpicMeta, stores: ChunkStores, block_size: int = 4) -> conn.EpicConnector:
+def _worker(meta: cm.EpicMeta, stores: ChunkStores, block_size: int = 4) -> conn.EpicConnector:
     c = object.__new__(conn.EpicConnector)  # the worker-side state start_load_kv uses, without a vLLM config
     c.block_size, c.linker, c.stores = block_size, _Linker(), stores
     c._load_errors, c._step_results, c._captures, c._learned = set(), {}, {}, {}
@@ -82,10 +84,10 @@ def _worker(meta: conn.EpicMeta, stores: ChunkStores, block_size: int = 4) -> co
     return c
 
 
-def _load(req_id: str, spans, block_ids=(0, 1, 2), policy: str = "legolink-2") -> conn.LoadSpec:
+def _load(req_id: str, spans, block_ids=(0, 1, 2), policy: str = "legolink-2") -> cm.LoadSpec:
     link = LinkRequest(parse_policy(policy), SINK, tuple(SpanRef(*s) for s in spans))
     claim, cut = link.claimed(len(PROMPT))
-    return conn.LoadSpec(req_id, LinkRequest(link.policy, SINK, cut), PROMPT[:claim], list(block_ids), 0, claim)
+    return cm.LoadSpec(req_id, LinkRequest(link.policy, SINK, cut), PROMPT[:claim], list(block_ids), 0, claim)
 
 
 SPANS = [("sink1-a", 0, 0, 5, False), ("sink1-b", 0, 5, 4, False)]
@@ -93,7 +95,7 @@ SPANS = [("sink1-a", 0, 0, 5, False), ("sink1-b", 0, 5, 4, False)]
 
 def test_a_load_reads_each_span_from_the_store_and_links_all_the_step_in_one_batch():
     stores = _stores(_record("sink1-a", PROMPT[0:5]), _record("sink1-b", PROMPT[5:9]))
-    c = _worker(conn.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS[1:])]), stores)
+    c = _worker(cm.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS[1:])]), stores)
     c.start_load_kv(None)
     (batch,) = c.linker.linked  # one call for the step
     assert [[(sp.start, sp.kv.token_ids) for sp in job.spans] for job, *_ in batch] == [
@@ -112,7 +114,7 @@ def test_a_span_whose_record_is_missing_or_holds_other_tokens_is_recomputed_not_
     wrong = _record("sink1-b", [SINK, 20, 21, 99])  # filed under b's key, holding other tokens
     other_sink = _record("sink1-a", [7] + PROMPT[1:5])  # a's tokens compiled behind another sink
     for records, expect_missing in (((), ["sink1-a", "sink1-b"]), ((wrong, other_sink), ["sink1-a", "sink1-b"])):
-        c = _worker(conn.EpicMeta(loads=[_load("r1", SPANS)]), _stores(*records))
+        c = _worker(cm.EpicMeta(loads=[_load("r1", SPANS)]), _stores(*records))
         with caplog.at_level(logging.WARNING):
             c.start_load_kv(None)
         ((job, *_),) = c.linker.linked[0]
@@ -131,7 +133,7 @@ def _logged_detail(caplog, result: dict) -> str:
 def test_a_failed_batch_fails_each_request_through_its_blocks_without_raising_into_the_step(caplog):
     stores = _stores(_record("sink1-a", PROMPT[0:5]), _record("sink1-b", PROMPT[5:9]))
     loads = [_load("r1", SPANS, block_ids=(0, 1, 2)), _load("r2", SPANS, block_ids=(3, 4, 5))]
-    c = _worker(conn.EpicMeta(loads=loads), stores)
+    c = _worker(cm.EpicMeta(loads=loads), stores)
 
     def broken(p, more=None):
         raise RuntimeError("simulated fault in the batched pass")
@@ -155,7 +157,7 @@ def test_a_store_that_raises_fails_only_the_request_it_was_reading_for(caplog):
                 raise OSError("disk gone")
             return stores.chunks.get(key)
 
-    c = _worker(conn.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS[1:], block_ids=(7, 8, 9))]), stores)
+    c = _worker(cm.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS[1:], block_ids=(7, 8, 9))]), stores)
     c.stores = ChunkStores(Exploding(), stores.glue)
     c.start_load_kv(None)
     assert [[job.token_ids for job, *_ in batch] for batch in c.linker.linked] == [[PROMPT[:9]]]  # r2 only
@@ -194,8 +196,8 @@ def test_the_worker_outcome_reaches_the_request_end_and_nothing_is_kept_for_ende
     req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, kv_transfer_params={"epic": {"link": link}})
     assert c.get_num_new_matched_tokens(req, 0) == (9, False)  # both chunks claimed
     c.update_state_after_alloc(req, None, 9)
-    meta = conn.EpicWorkerMeta({"r": {"recomputed": 4, "missing": []}, "gone": {"recomputed": 1}})
-    meta.aggregate(conn.EpicWorkerMeta({"r": {"error": "rank 1 failed"}}))  # an error on any rank wins
+    meta = cm.EpicWorkerMeta({"r": {"recomputed": 4, "missing": []}, "gone": {"recomputed": 1}})
+    meta.aggregate(cm.EpicWorkerMeta({"r": {"error": "rank 1 failed"}}))  # an error on any rank wins
     c.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
     assert set(c._results) == {"r"}  # "gone" already ended: not kept
     assert c.request_finished(req, []) == (False, {"epic": {"error": "rank 1 failed"}})
@@ -232,7 +234,7 @@ def test_an_async_link_is_claimed_as_an_async_load_and_sent_to_the_worker_before
     assert c.get_num_new_matched_tokens(none, 0) == (0, False)  # nothing to load: not an async load
 
 
-def _async_worker(meta: conn.EpicMeta, layers: int, share: float = 0.0) -> conn.EpicConnector:
+def _async_worker(meta: cm.EpicMeta, layers: int, share: float = 0.0) -> conn.EpicConnector:
     stores = _stores(_record("sink1-a", PROMPT[0:5]), _record("sink1-b", PROMPT[5:9]))
     c = _worker(meta, stores)
     c.linker, c.async_links, c.link_step_share, c._budget = _Linker(layers), True, share, HostBudget(share)
@@ -240,7 +242,7 @@ def _async_worker(meta: conn.EpicMeta, layers: int, share: float = 0.0) -> conn.
 
 
 def test_an_async_link_advances_a_bounded_share_of_each_busy_step_and_is_released_when_done():
-    meta = conn.EpicMeta(loads=[_load("r1", SPANS)])
+    meta = cm.EpicMeta(loads=[_load("r1", SPANS)])
     c = _async_worker(meta, layers=3)  # share 0: one layer a step
     for step in range(3):
         c.start_load_kv(None)
@@ -255,7 +257,7 @@ def test_an_async_link_advances_a_bounded_share_of_each_busy_step_and_is_release
 
 
 def test_an_idle_step_links_to_the_end_and_links_arriving_meanwhile_wait_for_the_next_pass():
-    meta = conn.EpicMeta(loads=[_load("r1", SPANS)])
+    meta = cm.EpicMeta(loads=[_load("r1", SPANS)])
     c = _async_worker(meta, layers=4)
     c.start_load_kv(None)  # busy step: one layer
     meta.loads = [_load("r2", SPANS[1:], block_ids=(7, 8, 9)), _load("r3", SPANS, block_ids=(10, 11, 12))]
@@ -268,7 +270,7 @@ def test_an_idle_step_links_to_the_end_and_links_arriving_meanwhile_wait_for_the
 
 
 def test_a_failed_async_link_reports_its_blocks_and_its_release_in_the_same_step(caplog):
-    meta = conn.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS, block_ids=(3, 4, 5))], idle=True)
+    meta = cm.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS, block_ids=(3, 4, 5))], idle=True)
     c = _async_worker(meta, layers=2)
 
     def broken(p, more=None):
@@ -283,7 +285,7 @@ def test_a_failed_async_link_reports_its_blocks_and_its_release_in_the_same_step
 
 
 def test_an_async_link_aborted_before_its_pass_starts_is_released_without_linking():
-    meta = conn.EpicMeta(loads=[_load("r1", SPANS)])
+    meta = cm.EpicMeta(loads=[_load("r1", SPANS)])
     c = _async_worker(meta, layers=3)
     c.start_load_kv(None)  # r1's pass under way
     meta.loads = [_load("r2", SPANS[1:], block_ids=(7, 8, 9))]
@@ -341,7 +343,7 @@ def test_the_finder_finds_known_chunks_in_a_prompts_tokens_token_for_token():
 def test_a_request_naming_no_spans_links_the_chunks_found_in_it_unless_it_opts_out():
     c = _scheduler(find="legolink-0")
     chunk = list(range(100, 100 + ANCHOR + 4))
-    meta = conn.EpicWorkerMeta({}, {"sink1-a": (tenant_id(""), chunk)})  # the default tenant's
+    meta = cm.EpicWorkerMeta({}, {"sink1-a": (tenant_id(""), chunk)})  # the default tenant's
     c.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))  # learned from a compile
     prompt = [5, 6] + chunk + [9, 10]
     plain = SimpleNamespace(request_id="p", prompt_token_ids=prompt, kv_transfer_params=None)
@@ -365,7 +367,7 @@ def test_tensor_parallel_ranks_keep_their_own_records_and_agree_on_what_is_missi
 
     # rank 1 of 2 holds both records under its own keys; the other rank lacks b's: dropped here too
     stores = _stores(_record("sink1-a.tp2r1", PROMPT[0:5]), _record("sink1-b.tp2r1", PROMPT[5:9]))
-    c = _worker(conn.EpicMeta(loads=[_load("r1", SPANS)]), stores)
+    c = _worker(cm.EpicMeta(loads=[_load("r1", SPANS)]), stores)
     c.tp_rank, c.tp_size = 1, 2
     _other_rank(monkeypatch, [0, 0, 1])  # load ok, a found, b missing
     c.start_load_kv(None)
@@ -405,7 +407,7 @@ def _other_rank(monkeypatch, flags: list[int]):
 
 def test_tensor_parallel_flags_are_agreed_on_the_groups_host_side_never_through_the_device_all_reduce(monkeypatch):
     stores = _stores(_record("sink1-a.tp2r0", PROMPT[0:5]))  # this rank lacks b; the other fails the load
-    c = _worker(conn.EpicMeta(loads=[_load("r1", SPANS)]), stores)
+    c = _worker(cm.EpicMeta(loads=[_load("r1", SPANS)]), stores)
     c.tp_rank, c.tp_size = 0, 2
     seen = _other_rank(monkeypatch, [1, 0, 0])
     c.start_load_kv(None)
@@ -439,3 +441,21 @@ def test_the_model_runner_is_found_behind_model_runner_v2s_kv_connector_object()
     c = object.__new__(conn.EpicConnector)
     ActiveKVConnector(c, {})  # no runner anywhere up the stack: none, and attach refuses by name
     assert c._runner is None
+
+
+def test_every_connector_option_is_checked_at_start_up_and_an_unknown_one_is_refused_by_name():
+    cfg = ConnectorConfig.from_extra({"store": "memory", "find_chunks": "legolink-0", "tenant": "t", "max_spans": 9})
+    assert (cfg.find_policy.name, cfg.tenancy.default, cfg.max_spans, cfg.async_links) == ("legolink-0", "t", 9, True)
+    assert ConnectorConfig.from_extra(None) == ConnectorConfig()
+    for extra, why in (
+        ({"find_chunk": "legolink-0"}, "unknown option.*find_chunk"),  # a misspelt key never falls back silently
+        ({"find_chunks": "nope"}, "unknown policy"),
+        ({"link_step_share": -1}, "link_step_share"),
+        ({"async_links": "no"}, "async_links"),
+        ({"max_spans": 0}, "max_spans"),
+        ({"workspace_tokens": 1.5}, "workspace_tokens"),
+        ({"tenant": "a:b"}, "without ':'"),
+        ({"allow_client_find": 1}, "must be true or false"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            ConnectorConfig.from_extra(extra)

@@ -13,8 +13,9 @@ import pydantic
 import pytest
 
 from epic_rag.policy import SINK_LEN
+from epic_rag_demo.background import BackgroundServer
 from epic_rag_demo.config import DemoConfig
-from epic_rag_demo.server import BackgroundServer, create_app
+from epic_rag_demo.server import create_app
 
 pytestmark = pytest.mark.smollm
 

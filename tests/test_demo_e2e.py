@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from epic_rag.corpus import pydoc_documents
+from epic_rag_demo.background import BackgroundServer
 from epic_rag_demo.config import DemoConfig
-from epic_rag_demo.server import BackgroundServer, create_app
+from epic_rag_demo.server import create_app
 
 pytestmark = pytest.mark.smollm
 

@@ -13,8 +13,9 @@ import httpx
 import pytest
 from test_demo_unit import FACTS, FakeEngine, HashEncoder
 
+from epic_rag_demo.background import BackgroundServer
 from epic_rag_demo.config import DemoConfig
-from epic_rag_demo.server import BackgroundServer, create_app
+from epic_rag_demo.server import create_app
 
 
 @contextlib.contextmanager
@@ -395,7 +396,7 @@ def test_an_engine_that_says_nothing_gets_keepalives_then_the_stream_ends_with_a
 
 # ---------------------------------------------------------------------- 9. tests that can fail
 def test_the_soak_memory_check_fails_on_growth_the_memory_tier_does_not_explain():
-    from epic_rag_demo import soak
+    from epic_rag.bench import soak
 
     mib = 1 << 20
 
@@ -572,7 +573,7 @@ def test_the_demos_data_folders_and_embedding_cache_are_owner_only_and_the_cache
 def test_secrets_in_a_store_spec_never_reach_a_log_or_an_error(caplog):
     import logging
 
-    from epic_rag.engine.connector import _internal_error
+    from epic_rag.engine.connector_worker import _internal_error
     from epic_rag.store import open_store
     from epic_rag_demo.config import open_demo_store
 

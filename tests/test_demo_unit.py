@@ -18,9 +18,10 @@ import pytest
 from epic_rag import EngineConfig
 from epic_rag.store import MemoryStore
 from epic_rag.types import ChunkRef, Delta, Generation, RagRequest
+from epic_rag_demo.background import BackgroundServer
 from epic_rag_demo.config import DemoConfig, open_demo_store
 from epic_rag_demo.library import safe_upload_name
-from epic_rag_demo.server import BackgroundServer, create_app
+from epic_rag_demo.server import create_app
 
 FACTS = {
     "bridge.txt": "The Larkspur Bridge opened in 1931. It crosses the Vell River and is 412 metres long.",

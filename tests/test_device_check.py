@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts the device scripts in their own processes, under the Triton interpreter
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
 
 

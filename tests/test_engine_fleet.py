@@ -14,6 +14,8 @@ import pytest
 
 from epic_rag.testing.localredis import LocalRedis
 
+pytestmark = pytest.mark.slow  # starts two engine processes on one Redis
+
 SCRIPT = r"""
 import dataclasses, json, sys, time
 from pathlib import Path

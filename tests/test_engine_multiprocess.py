@@ -7,6 +7,9 @@ chunks compiled through the core and read back from its store, in shuffled order
 from __future__ import annotations
 
 import _engine_process
+import pytest
+
+pytestmark = pytest.mark.slow  # starts an engine whose vLLM core runs in its own process
 
 SCRIPT = r"""
 import dataclasses, json, sys

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts an engine in its own process
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""

@@ -7,6 +7,9 @@ vLLM's CPU build starts two workers on these 2-core machines only with manual th
 from __future__ import annotations
 
 import _engine_process
+import pytest
+
+pytestmark = pytest.mark.slow  # starts an engine with two tensor-parallel worker processes
 
 SCRIPT = r"""
 import dataclasses, json, sys

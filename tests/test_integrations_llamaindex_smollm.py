@@ -4,27 +4,23 @@ with the packaged all-MiniLM-L6-v2 embeddings, on Python's pydoc text, linking r
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 
 pytest.importorskip("llama_index.core")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from _llamaindex_events import caught  # noqa: E402
 from llama_index.core import Settings, StorageContext, VectorStoreIndex, load_index_from_storage  # noqa: E402
 from llama_index.core.base.llms.types import ChatMessage  # noqa: E402
 from llama_index.core.base.response.schema import Response, StreamingResponse  # noqa: E402
-from llama_index.core.bridge.pydantic import Field  # noqa: E402
 from llama_index.core.ingestion import IngestionPipeline  # noqa: E402
-from llama_index.core.instrumentation import get_dispatcher  # noqa: E402
-from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
 from llama_index.core.instrumentation.events.llm import (  # noqa: E402
     LLMChatEndEvent,
     LLMChatInProgressEvent,
     LLMChatStartEvent,
     LLMCompletionEndEvent,
 )
-from llama_index.core.instrumentation.span_handlers import SimpleSpanHandler  # noqa: E402
 from llama_index.core.query_engine import RetrieverQueryEngine  # noqa: E402
 from llama_index.core.schema import TextNode  # noqa: E402
 
@@ -44,24 +40,10 @@ Q1 = "What does heapq.heappush do?"
 Q2 = "What does heapq.heappop do?"
 
 
-class _Catch(BaseEventHandler):
-    events: list = Field(default_factory=list)
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "_Catch"
-
-    def handle(self, event: Any, **kwargs: Any) -> None:
-        self.events.append(event)
-
-
 @pytest.fixture
 def events():
-    root = get_dispatcher()
-    h = _Catch()
-    root.add_event_handler(h)
-    yield h.events
-    root.event_handlers.remove(h)
+    with caught() as (events, _):
+        yield events
 
 
 def _pydoc_nodes(tokenizer) -> list[TextNode]:
@@ -239,14 +221,9 @@ def _span_name(span_id: str | None) -> str | None:
 def test_epic_synthesizer_spans_nest_synthesize_get_response_and_the_llm_chat_as_a_stock_synthesizer(
     smol_engine, li_index
 ):
-    root = get_dispatcher()
-    spans = SimpleSpanHandler()
-    root.add_span_handler(spans)
-    try:
+    with caught() as (_, spans):
         llm = EpicLLM(engine=smol_engine, max_tokens=4)
         _synth_engine(li_index.as_retriever(similarity_top_k=2), EpicSynthesizer(llm=llm)).query(Q1)
-    finally:
-        root.span_handlers.remove(spans)
     by_name: dict[str, list] = {}
     for s in spans.completed_spans:
         by_name.setdefault(_span_name(s.id_), []).append(s)

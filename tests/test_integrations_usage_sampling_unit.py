@@ -5,7 +5,6 @@ sampling options reach the engine, and an unknown option is an error naming it."
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
@@ -136,36 +135,9 @@ def test_token_counting_handler_counts_the_engines_tokens_not_tiktokens(engine):
     assert counter.prompt_llm_token_count == 60 and counter.completion_llm_token_count == 4
 
 
-def _instrumented():
-    """A root-dispatcher event handler and span handler, and a function removing them."""
-    from llama_index.core.bridge.pydantic import Field
-    from llama_index.core.instrumentation import get_dispatcher
-    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
-    from llama_index.core.instrumentation.span_handlers import SimpleSpanHandler
-
-    class Catch(BaseEventHandler):
-        events: list = Field(default_factory=list)
-
-        @classmethod
-        def class_name(cls) -> str:
-            return "Catch"
-
-        def handle(self, event: Any, **kwargs: Any) -> None:
-            self.events.append(event)
-
-    root, events, spans = get_dispatcher(), Catch(), SimpleSpanHandler()
-    root.add_event_handler(events)
-    root.add_span_handler(spans)
-
-    def remove() -> None:
-        root.event_handlers.remove(events)
-        root.span_handlers.remove(spans)
-
-    return events.events, spans, remove
-
-
 @pytest.mark.parametrize("streaming", [False, True])
 def test_epic_synthesizer_calls_are_epic_llm_chat_calls_seen_by_events_spans_and_token_counting(engine, streaming):
+    from _llamaindex_events import caught
     from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
     from llama_index.core.instrumentation.events.llm import (
         LLMChatEndEvent,
@@ -178,12 +150,9 @@ def test_epic_synthesizer_calls_are_epic_llm_chat_calls_seen_by_events_spans_and
 
     counter = TokenCountingHandler(tokenizer=lambda s: [0] * 1000)  # a wrong count if it were used
     synth = EpicSynthesizer(llm=_llm(engine), callback_manager=CallbackManager([counter]), streaming=streaming)
-    events, spans, remove = _instrumented()
-    try:
+    with caught() as (events, spans):
         r = synth.synthesize("which adds?", [NodeWithScore(node=TextNode(text="def add(a, b): return a + b"))])
         text = "".join(r.response_gen) if streaming else r.response
-    finally:
-        remove()
     assert text == "Hi!" and r.metadata["chunk_hits"] == 2 and r.metadata["linked_tokens"] == 24
     (start,) = [e for e in events if isinstance(e, LLMChatStartEvent)]
     (end,) = [e for e in events if isinstance(e, LLMChatEndEvent)]

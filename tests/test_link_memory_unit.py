@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from epic_rag import EngineConfig
-from epic_rag.engine import vllm_api
+from epic_rag.engine import link_memory, vllm_api
 
 
 @pytest.fixture
@@ -21,19 +21,19 @@ def llama8b_dir(tmp_path):
 
 def test_gpu_link_memory_is_a_few_layers_of_one_pass_in_the_cache_dtype_not_every_layer(llama8b_dir):
     per_row = 2 * 8 * 128 * 2  # K and V of one token of one layer: 8 heads x 128 dims, bf16
-    one = vllm_api.link_device_bytes(llama8b_dir, "bfloat16", 1000)
+    one = link_memory.link_device_bytes(llama8b_dir, "bfloat16", 1000)
     # two staging slots (one copied while the other is written) and one gather buffer (query-<r>'s probe)
     assert one == 3 * 1000 * per_row
     # under tensor parallelism a worker holds its share of the 8 KV heads (replicated past 8 workers)
-    assert vllm_api.link_device_bytes(llama8b_dir, "bfloat16", 1000, 2) == one // 2
-    assert vllm_api.link_device_bytes(llama8b_dir, "bfloat16", 1000, 16) == one // 8
+    assert link_memory.link_device_bytes(llama8b_dir, "bfloat16", 1000, 2) == one // 2
+    assert link_memory.link_device_bytes(llama8b_dir, "bfloat16", 1000, 16) == one // 8
 
 
 def test_gpu_share_given_to_vllm_leaves_room_for_the_linker_staging_and_the_gpu_tier(llama8b_dir):
     cfg = EngineConfig(model="smollm2-135m-instruct", gpu_memory_utilization=0.9, store="gpu?max_bytes=4G+memory")
     total = 141 * 2**30  # an H200
-    staging = vllm_api.link_device_bytes(llama8b_dir, "bfloat16", 16384)  # 192 MiB
-    share = vllm_api.gpu_memory_share(cfg, llama8b_dir, "bfloat16", 16384, total_bytes=total)
+    staging = link_memory.link_device_bytes(llama8b_dir, "bfloat16", 16384)  # 192 MiB
+    share = link_memory.gpu_memory_share(cfg, llama8b_dir, "bfloat16", 16384, total_bytes=total)
     assert share == pytest.approx(0.9 - (staging + 4 * 2**30) / total)
     assert (0.9 - share) * total == pytest.approx(4 * 2**30 + 192 * 2**20)
 
@@ -41,10 +41,10 @@ def test_gpu_share_given_to_vllm_leaves_room_for_the_linker_staging_and_the_gpu_
 def test_a_staging_or_gpu_tier_that_leaves_vllm_almost_nothing_is_refused(llama8b_dir):
     cfg = EngineConfig(model="smollm2-135m-instruct", gpu_memory_utilization=0.3)
     with pytest.raises(ValueError, match="link_workspace_tokens"):
-        vllm_api.gpu_memory_share(cfg, llama8b_dir, "bfloat16", 2**24, total_bytes=80 * 2**30)
+        link_memory.gpu_memory_share(cfg, llama8b_dir, "bfloat16", 2**24, total_bytes=80 * 2**30)
     cfg = EngineConfig(model="smollm2-135m-instruct", gpu_memory_utilization=0.3, store="gpu?max_bytes=30G")
     with pytest.raises(ValueError, match="gpu tier"):
-        vllm_api.gpu_memory_share(cfg, llama8b_dir, "bfloat16", 16384, total_bytes=80 * 2**30)
+        link_memory.gpu_memory_share(cfg, llama8b_dir, "bfloat16", 16384, total_bytes=80 * 2**30)
 
 
 def test_the_gpus_memory_is_read_through_vllms_platform_not_a_cuda_context(llama8b_dir, monkeypatch):
@@ -57,8 +57,8 @@ def test_the_gpus_memory_is_read_through_vllms_platform_not_a_cuda_context(llama
     monkeypatch.setattr(torch.cuda, "get_device_properties", no_context)
     monkeypatch.setattr(vllm_api, "device_total_memory", lambda: 80 * 2**30)
     cfg = EngineConfig(model="smollm2-135m-instruct", gpu_memory_utilization=0.9)
-    share = vllm_api.gpu_memory_share(cfg, llama8b_dir, "bfloat16", 16384)
-    assert share == pytest.approx(0.9 - vllm_api.link_device_bytes(llama8b_dir, "bfloat16", 16384) / (80 * 2**30))
+    share = link_memory.gpu_memory_share(cfg, llama8b_dir, "bfloat16", 16384)
+    assert share == pytest.approx(0.9 - link_memory.link_device_bytes(llama8b_dir, "bfloat16", 16384) / (80 * 2**30))
 
 
 def test_vllm_runs_eager_on_cpu_only_unless_configured(monkeypatch):
@@ -78,7 +78,7 @@ def test_on_cpu_the_configured_share_is_kept():
     if torch.cuda.is_available():
         pytest.skip("CPU-only behaviour")
     cfg = EngineConfig(model="smollm2-135m-instruct", gpu_memory_utilization=0.3)
-    assert vllm_api.gpu_memory_share(cfg, "/nonexistent", "float32", 16384) == 0.3
+    assert link_memory.gpu_memory_share(cfg, "/nonexistent", "float32", 16384) == 0.3
 
 
 @pytest.mark.parametrize("tokens", [-1, 100, 1.5])

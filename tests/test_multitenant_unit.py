@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from epic_rag.engine import connector as conn
+from epic_rag.engine import connector_meta as cm
 from epic_rag.engine.finder import ANCHOR, PER_ANCHOR, ChunkFinder
 from epic_rag.engine.jobs import MAX_SPANS, Capture, CompileRequest, LinkRequest, SpanRef
 from epic_rag.engine.stores import ChunkStores, checked_store, new_glue_store
@@ -52,7 +53,7 @@ def _capture(prompt: list[int], lead: int, value: float) -> Capture:
 
 
 def _compile(c: conn.EpicConnector, prompt: list[int], lead: int, tenant: str, key=None, glue=False, value=0.0):
-    spec = conn.CaptureSpec("r", CompileRequest(key, lead, glue), [], 0, len(prompt), len(prompt), prompt, tenant)
+    spec = cm.CaptureSpec("r", CompileRequest(key, lead, glue), [], 0, len(prompt), len(prompt), prompt, tenant)
     c._store(spec, _capture(prompt, lead, value))
     return c._step_results.pop("r")
 
@@ -133,12 +134,12 @@ def test_a_record_is_checked_on_read_against_its_lead_tenant_and_tokens(lie):
 
 
 # ------------------------------------------------------------------ tenancy
-def _read_worker(stores: ChunkStores, loads: list[conn.LoadSpec]) -> conn.EpicConnector:
+def _read_worker(stores: ChunkStores, loads: list[cm.LoadSpec]) -> conn.EpicConnector:
     c = _compile_worker(stores)
     c.block_size, c.linker = 4, SimpleNamespace(begin=lambda loads: (None, []), advance=lambda p, d: True)
     c._load_errors, c._captures, c._queue, c._pass, c._recving, c._bound_at = set(), {}, [], None, set(), 0.0
     c.async_links, c.link_step_share = False, 1.0
-    c._get_connector_metadata = lambda: conn.EpicMeta(loads=loads)
+    c._get_connector_metadata = lambda: cm.EpicMeta(loads=loads)
     return c
 
 
@@ -152,9 +153,9 @@ def test_a_tenant_linking_another_tenants_key_gets_the_answer_of_a_key_never_com
     never_link = LinkRequest(link.policy, SINK, (SpanRef(never, 0, 0, 1 + len(CHUNK)),))
     claim = 1 + len(CHUNK)
     loads = [
-        conn.LoadSpec("a", link, prompt[:claim], [0, 1, 2, 3, 4, 5, 6], 0, claim, tenant=A),
-        conn.LoadSpec("b", link, prompt[:claim], [7, 8, 9, 10, 11, 12, 13], 0, claim, tenant=B),
-        conn.LoadSpec("n", never_link, prompt[:claim], [14, 15, 16, 17, 18, 19, 20], 0, claim, tenant=B),
+        cm.LoadSpec("a", link, prompt[:claim], [0, 1, 2, 3, 4, 5, 6], 0, claim, tenant=A),
+        cm.LoadSpec("b", link, prompt[:claim], [7, 8, 9, 10, 11, 12, 13], 0, claim, tenant=B),
+        cm.LoadSpec("n", never_link, prompt[:claim], [14, 15, 16, 17, 18, 19, 20], 0, claim, tenant=B),
     ]
     c = _read_worker(stores, loads)
     (kvs_a, _), (kvs_b, _), (kvs_n, _) = c._read(loads)
@@ -280,7 +281,7 @@ def test_spans_of_one_record_read_it_once_and_are_sliced_from_it():
     prompt = CHUNK[:1] * n + [5]
     spans = tuple(SpanRef(key, 1, i, 1) for i in range(n))  # each span: the chunk's first token
     link = LinkRequest(parse_policy("legolink-0"), None, spans)
-    load = conn.LoadSpec("r", link, prompt[:n], list(range(n // 4 + 1)), 0, n, tenant=A)
+    load = cm.LoadSpec("r", link, prompt[:n], list(range(n // 4 + 1)), 0, n, tenant=A)
     c = _read_worker(stores, [load])
     hits = store.stats.hits
     ((kvs, err),), dt = _timed(lambda: c._read([load]))

@@ -133,6 +133,7 @@ def test_prepare_process_bounds_onednn_primitive_cache_and_keeps_a_users_setting
         os.environ.update(saved)
 
 
+@pytest.mark.slow  # vLLM in a fresh process
 def test_onednn_matmuls_over_many_batch_sizes_hold_bounded_memory_after_prepare_process():
     """vLLM's CPU linear kernel over 400 distinct batch sizes (as steps of varied load produce) in a fresh
     process set up like the engine's: live heap growth stays near the bounded cache (~43 MiB measured here

@@ -25,6 +25,8 @@ from epic_rag.engine.finder import ANCHOR, PER_ANCHOR
 from epic_rag.engine.jobs import MAX_SPANS
 from epic_rag.engine.tenancy import unique_salt
 
+pytestmark = pytest.mark.slow  # starts a vLLM OpenAI server process
+
 ROOT = Path(__file__).resolve().parents[1]
 A_NS, B_NS = "tenant-a-9f2c", "tenant-b-71de"  # each tenant's secret namespace (a gateway would set them)
 CHUNKS = [

@@ -37,8 +37,9 @@ from epic_rag.engine.connector import pending
 from epic_rag.engine.stores import RETRY_S
 from epic_rag.store import DiskStore, MemoryStore, open_store
 from epic_rag.testing.localredis import LocalRedis
+from epic_rag_demo.background import BackgroundServer
 from epic_rag_demo.config import DemoConfig
-from epic_rag_demo.server import BackgroundServer, create_app
+from epic_rag_demo.server import create_app
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -340,6 +341,7 @@ KILL_CHUNKS = [
 ]
 
 
+@pytest.mark.slow  # starts an engine process and kills it
 def test_engine_killed_mid_write_leaves_no_entry_that_reads_as_valid(tiny_engine, with_store, tmp_path):
     d = tmp_path / "kv"
     d.mkdir()

@@ -1,8 +1,8 @@
-"""Fuzzing: schemathesis (its `st run` command line, started through apps/demo/soak.py with its steering
+"""Fuzzing: schemathesis (its `st run` command line, started through epic_rag/bench/soak.py with its steering
 hook) against the demo server's OpenAPI schema (FastAPI's /openapi.json) on loopback, served here on the
 tiny engine. The check is `not_a_server_error`: any 5xx or transport failure is a bug. A small run (20
 examples per operation) keeps this under a minute; the recorded, larger runs on SmolLM2 are in
-docs/bench/fuzz.md (`python -m epic_rag_demo.soak fuzz`).
+docs/bench/fuzz.md (`python -m epic_rag.bench.soak fuzz`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ import subprocess
 import pytest
 from test_demo_unit import HashEncoder
 
+from epic_rag.bench.soak import fuzz_command, summarize_fuzz_report
+from epic_rag_demo.background import BackgroundServer
 from epic_rag_demo.config import DemoConfig
-from epic_rag_demo.server import BackgroundServer, create_app
-from epic_rag_demo.soak import fuzz_command, summarize_fuzz_report
+from epic_rag_demo.server import create_app
+
+pytestmark = pytest.mark.slow  # starts schemathesis against the demo server
 
 KEY = "fuzz-key"
 

@@ -26,8 +26,9 @@ from test_demo_unit import HashEncoder
 from epic_rag import Chunk, ChunkRef, RagRequest
 from epic_rag.engine.connector import pending
 from epic_rag.prompt import encode_text
+from epic_rag_demo.background import BackgroundServer
 from epic_rag_demo.config import DemoConfig
-from epic_rag_demo.server import BackgroundServer, create_app
+from epic_rag_demo.server import create_app
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "reliability-key"

@@ -1,9 +1,9 @@
-"""Load: the soak harness (apps/demo/soak.py) for ~20 s in a tiny configuration against the demo app on
+"""Load: the soak harness (epic_rag/bench/soak.py) for ~20 s in a tiny configuration against the demo app on
 SmolLM2 (the session's `smol_engine`, served in-process on loopback): every request is answered or refused
 with a clear status, streams finish with [DONE], nothing is left in flight, and RSS after the 5 s warm-up grows
 by at most RSS_BOUND_MIB beyond what chunk KV added to the memory tier explains (measured here: +33 MiB; a
 leak of each request's prompt KV, ~26 MiB for 600 tokens on SmolLM2 fp32, would exceed it within 8 requests).
-The full 5-minute, 16-client run is `python -m epic_rag_demo.soak soak` (results in docs/bench/soak.md); it does
+The full 5-minute, 16-client run is `python -m epic_rag.bench.soak soak` (results in docs/bench/soak.md); it does
 not run in CI.
 """
 
@@ -14,9 +14,10 @@ import time
 import psutil
 import pytest
 
-from epic_rag_demo import soak
+from epic_rag.bench import soak
+from epic_rag_demo.background import BackgroundServer
 from epic_rag_demo.config import DemoConfig
-from epic_rag_demo.server import BackgroundServer, create_app
+from epic_rag_demo.server import create_app
 
 pytestmark = pytest.mark.smollm
 RSS_BOUND_MIB = 192.0

@@ -10,6 +10,8 @@ import pytest
 
 from epic_rag.testing.localredis import LocalRedis
 
+pytestmark = pytest.mark.slow  # starts engine processes sharing a store
+
 # Runs one engine: generate once, optionally damage disk entries and generate again; prints RESULT <json>.
 SCRIPT = r"""
 import json, sys

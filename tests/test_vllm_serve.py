@@ -14,6 +14,8 @@ import pytest
 
 from epic_rag.engine.tenancy import unique_salt
 
+pytestmark = pytest.mark.slow  # starts vLLM's own OpenAI server processes
+
 ROOT = Path(__file__).resolve().parents[1]
 CHUNKS = [
     f"def scale_{i}(values, k={i}):\n    out = []\n    for v in values:\n        out.append(v * k + {i * i})\n"

@@ -14,7 +14,7 @@ log = logging.getLogger("epic_rag_demo")
 
 
 def register(subparsers) -> None:
-    from .config import DEMO_MODEL
+    from epic_rag.models import DEMO_MODEL
 
     d = subparsers.add_parser(
         "demo",
@@ -143,8 +143,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"epic-rag demo: {e}", file=sys.stderr)
         return 2
 
+    from .background import BackgroundServer
     from .config import demo_store_spec, open_demo_store
-    from .server import BackgroundServer, create_app
+    from .server import create_app
 
     app = create_app(engine=None, config=cfg)
     state = app.state.demo

@@ -7,14 +7,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from epic_rag.models import DEMO_MODEL
 from epic_rag.paths import cache_dir
 from epic_rag.policy import parse_policy
 from epic_rag.redact import redact
 
 log = logging.getLogger(__name__)
-
-# A coder model for the default corpus (Python's documentation); SmolLM2 stays available by --model.
-DEMO_MODEL = "qwen2.5-coder-0.5b-instruct"
 
 # The policy switch in the page (the API accepts any name epic_rag.policy.parse_policy accepts).
 PAGE_POLICIES = ["legolink-16", "legolink-0", "naive", "cacheblend-15", "full", "prefix"]
@@ -30,7 +28,7 @@ class DemoConfig:
     data_dir: Path = field(default_factory=default_data_dir)
     store: str | None = None  # chunk store spec; None: memory over a disk tier under data_dir
     policy: str = "legolink-16"  # default link policy (each request may pick another)
-    model: str = DEMO_MODEL
+    model: str = DEMO_MODEL  # a coder model for the default corpus (Python's docs); SmolLM2 by --model
     api_key: str | None = None  # when set, every route that does work needs it
     host: str = "127.0.0.1"  # the address bound (without a key, only it and localhost are valid Host names)
     allowed_hosts: tuple[str, ...] = ()  # more Host names to serve without a key ("*": any)

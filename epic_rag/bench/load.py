@@ -47,12 +47,11 @@ from ..types import Delta, Generation, RagRequest
 from .common import command_line, corpus_chunks, machine, percentile, write
 from .latency import LOAD_POLICIES, QUESTION
 
-REFERENCES = ("full", "cacheblend-15")  # the summary's ratios are to these
+REFERENCES = ("full", "cacheblend-15")  # the summary's ratios are to these (its vs_<reference> columns)
 TARGET_POLICY = "legolink-16"
 # The targets: saturated req/s of TARGET_POLICY >= this many times the reference's.
 THROUGHPUT_TARGETS = {"full": 8.0, "cacheblend-15": 3.0}
 ITL_TARGET = 2.0  # ITL p99 at half saturation <= this many times the unloaded ITL p99
-CUT_AFTER = 1.25  # a step still running at this many times the per-policy budget is cut
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +68,7 @@ class LoadSettings:
     min_requests: int = 8
     max_requests: int = 40
     max_minutes: float = 4.5  # per policy sweep budget
+    cut_after: float = 1.25  # a step still running at this many times the per-policy budget is cut
     max_steps: int = 12
     throughput_floor: float = 0.8  # saturated when completed < floor x offered
     ttft_blowup: float = 10.0  # ... or TTFT p50 > blowup x the unloaded TTFT p50
@@ -222,7 +222,7 @@ def sweep(
         left = budget - (clock() - t0)
         if n / rate + service_s > left:  # its arrivals and one service time do not fit the budget
             return rows, "cap"
-        row = run_step(i, rate, n, CUT_AFTER * budget - (clock() - t0))
+        row = run_step(i, rate, n, s.cut_after * budget - (clock() - t0))
         reason = saturation_reason(row, unloaded_ttft_p50, s)
         row["saturated"] = reason
         rows.append(row)

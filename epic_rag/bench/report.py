@@ -228,13 +228,13 @@ def _met(ok) -> str:
 def load_summary_md(load: dict) -> list[str]:
     """The load benchmark's summary: per policy, saturated req/s and its ratios, TTFT and ITL at half
     saturation, the unloaded ITL p99; then the issue's targets with their verdicts."""
-    from .load import REFERENCES
+    refs = [k.removeprefix("vs_") for k in load["summary"][0] if k.startswith("vs_")] if load["summary"] else []
 
     md = table(
         [
             "policy",
             "saturated req/s",
-            *(f"vs {ref}" for ref in REFERENCES),
+            *(f"vs {ref}" for ref in refs),
             "sweep ended by",
             "half-sat. offered req/s",
             "TTFT p50 / p99 (s)",
@@ -246,7 +246,7 @@ def load_summary_md(load: dict) -> list[str]:
             [
                 r["policy"],
                 _num(r["saturated_rps"]),
-                *(_num(r[f"vs_{ref}"], ".2f", suffix="x") for ref in REFERENCES),
+                *(_num(r[f"vs_{ref}"], ".2f", suffix="x") for ref in refs),
                 r["ended_by"],
                 _num(r["half_rate_rps"]),
                 f"{_num(r['half_ttft_p50_s'])} / {_num(r['half_ttft_p99_s'])}",
@@ -281,8 +281,6 @@ def load_section(load: dict) -> list[str]:
 
 def load_markdown(load: dict, plots: list[str]) -> str:
     """load.md: summary, targets, unloaded figures and every step, with the command, model and machine."""
-    from .load import CUT_AFTER
-
     s, mc = load["settings"], load["machine"]
     md = [
         f"# Load benchmark: open-loop Poisson arrivals to saturation ({load['model']})",
@@ -302,7 +300,7 @@ def load_markdown(load: dict, plots: list[str]) -> str:
         f"at saturation (completed req/s < {s['throughput_floor']:g} x offered, or TTFT p50 > "
         f"{s['ttft_blowup']:g} x unloaded), after errors (> {s['max_error_rate']:.0%} of a step), or at its "
         f"{s['max_minutes']:g}-minute budget (`cap`: the next step would not fit, or a step was cut at "
-        f"{CUT_AFTER:g}x the budget; the policy did not saturate).",
+        f"{s['cut_after']:g}x the budget; the policy did not saturate).",
         "",
         "Offered req/s: the trace's measured arrival rate, (n - 1) / arrival span; completed req/s: completed "
         "requests over the step's makespan, first arrival to last completion (the arrival rate below "

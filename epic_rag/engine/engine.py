@@ -23,6 +23,7 @@ from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Sa
 from . import vllm_api
 from .chunks import ChunkResolver
 from .jobs import LinkRequest
+from .link_memory import gpu_memory_share, workspace_tokens
 from .request import LinkFailed, RequestRun, last_generation
 from .runtime import POLL_S, STALL_S, Runtime
 from .stores import ChunkStores, new_glue_store, register_local, unregister_local
@@ -55,7 +56,9 @@ class EpicEngine:
         self._local = None if remote else register_local(stores)
         extra = {"store": config.store} if remote else {"local": self._local}
         self.dtype = vllm_api.prepare_process(config)
-        self._llm = vllm_api.new_llm_engine(str(self.model_dir), self.dtype, config, extra)
+        ws = workspace_tokens(config.link_workspace_tokens, config.max_model_len)
+        share = gpu_memory_share(config, str(self.model_dir), self.dtype, ws)
+        self._llm = vllm_api.new_llm_engine(str(self.model_dir), self.dtype, config, extra, ws, share)
         infos = self._llm.collective_rpc("epic_attach")  # one per tensor-parallel rank
         self.kv_info = infos[0]
         self.tokenizer = self._llm.get_tokenizer()

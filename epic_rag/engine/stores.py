@@ -2,7 +2,7 @@
 
 The connector reads chunk KV itself (a link job names records by key, jobs.py), so the worker side needs
 the stores. Two ways to name them in `kv_connector_extra_config`:
-- {"local": handle}: an EpicEngine whose engine core runs in its own process registered its stores under
+- {"local": handle}: an EpicEngine whose engine core runs in this process registered its stores under
   `handle` (register_local): the worker uses the very same objects, so compiled chunks in its memory tier are
   visible to both sides;
 - {"store": spec}: the worker opens the spec itself (epic_rag.store.open_store): vLLM's multiprocess engine

@@ -84,16 +84,16 @@ def prepare_process(config) -> str:
     return "bfloat16" if (not on_cpu or _cpu_has_fast_bf16()) else "float32"
 
 
-def new_llm_engine(model_dir: str, dtype: str, config, extra: dict[str, Any]) -> Any:
-    """vLLM's LLMEngine with EpicConnector as its KV connector (`extra`: its stores, see stores.py) and the
-    worker extension mixed in."""
+def new_llm_engine(
+    model_dir: str, dtype: str, config, extra: dict[str, Any], workspace_tokens: int, gpu_share: float
+) -> Any:
+    """vLLM's LLMEngine with EpicConnector as its KV connector (`extra`: its stores, see stores.py; link passes of
+    `workspace_tokens` prompt tokens) and the worker extension mixed in, given `gpu_share` of the GPU's memory
+    (link_memory.py sizes both)."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from .linker import WORKSPACE_PROMPTS
-
-    ws_tokens = config.link_workspace_tokens or WORKSPACE_PROMPTS * config.max_model_len
     args = EngineArgs(
         model=model_dir,
         dtype=dtype,
@@ -104,13 +104,13 @@ def new_llm_engine(model_dir: str, dtype: str, config, extra: dict[str, Any]) ->
         enable_prefix_caching=True,
         seed=config.seed,
         tensor_parallel_size=config.tensor_parallel_size,
-        gpu_memory_utilization=gpu_memory_share(config, model_dir, dtype, ws_tokens),
+        gpu_memory_utilization=gpu_share,
         kv_transfer_config=KVTransferConfig(
             kv_connector="EpicConnector",
             kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_both",
             kv_connector_extra_config={
-                "workspace_tokens": ws_tokens,
+                "workspace_tokens": workspace_tokens,
                 "async_links": config.async_links,
                 "link_step_share": config.link_step_share,
                 **extra,
@@ -141,56 +141,12 @@ def has_work(llm) -> bool:
     return scheduler is not None and scheduler.has_requests()
 
 
-def link_device_bytes(model_dir: str, dtype: str, tokens: int, tensor_parallel_size: int = 1) -> int:
-    """GPU memory one worker's linker allocates at attach for passes of `tokens` prompt tokens: the staging
-    ring of its fused page filler and one layer of one prompt's K/V gathered from its pages (query-<r>'s
-    probe). From the model's config.json (under tensor parallelism a worker holds its share of the KV heads, at
-    least one: vLLM replicates them when there are fewer heads than workers)."""
-    import json
-    from pathlib import Path
-
-    from .stage import TritonFiller
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    head_size = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    kv_heads = max(1, cfg.get("num_key_value_heads", heads) // tensor_parallel_size)
-    dtype_bytes = getattr(torch, dtype).itemsize
-    gather = 2 * tokens * kv_heads * head_size * dtype_bytes
-    return TritonFiller.stage_bytes(tokens, kv_heads, head_size, dtype_bytes) + gather
-
-
 def device_total_memory() -> int:
     """The GPU's memory in bytes, read through NVML by vLLM's platform: no CUDA context in this process (a
     context made here would sit outside vLLM's memory accounting and force spawned workers)."""
     from vllm.platforms import current_platform
 
     return int(current_platform.get_device_total_memory())
-
-
-def gpu_memory_share(
-    config, model_dir: str, dtype: str, workspace_tokens: int, total_bytes: int | None = None
-) -> float:
-    """The fraction of GPU memory vLLM is told to use: the configured one less what the linker allocates after
-    vLLM has sized its KV cache (its staging ring, and the store's gpu tier), so it is counted inside the
-    configured share, not beside it. On CPU the configured value (it does not size the KV cache there:
-    kv_cache_gib does)."""
-    from ..store.spec import gpu_tier_bytes
-
-    if total_bytes is None:
-        if not torch.cuda.is_available():
-            return config.gpu_memory_utilization
-        total_bytes = device_total_memory()
-    link = link_device_bytes(model_dir, dtype, workspace_tokens, config.tensor_parallel_size)
-    tier = gpu_tier_bytes(config.store)
-    share = config.gpu_memory_utilization - (link + tier) / total_bytes
-    if share <= 0.05:
-        raise ValueError(
-            f"the linker's staging ({workspace_tokens} tokens) and the gpu tier ({tier} bytes) leave vLLM "
-            f"{share:.0%} of the GPU's memory: lower link_workspace_tokens or the gpu tier's max_bytes, or raise "
-            "gpu_memory_utilization"
-        )
-    return share
 
 
 def request_inputs(

@@ -125,7 +125,7 @@ class MemoryStore(ChunkStore):
 
 class DeviceStore(MemoryStore):
     """GPU tier: hot records resident in device memory, LRU under a byte budget (taken out of the share of
-    the GPU's memory vLLM is given, see vllm_api.gpu_memory_share), so a hot chunk links with no host-to-device
+    the GPU's memory vLLM is given, see link_memory.gpu_memory_share), so a hot chunk links with no host-to-device
     copy at all. Process-private, exact only; the top tier of a stack (hits below are promoted into it)."""
 
     name = "gpu"

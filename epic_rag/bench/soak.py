@@ -2,8 +2,9 @@
 `epic-rag demo` (its default model, FAISS + MiniLM retrieval, default store memory 2 GiB over disk) started here on
 127.0.0.1 over a small generated corpus, with an API key.
 
-    .venv/bin/python -m epic_rag_demo.soak soak [--duration 300] [--concurrency 16] [--max-tokens 48] [--out docs/bench]
-    .venv/bin/python -m epic_rag_demo.soak fuzz [--max-examples 100] [--out docs/bench]
+    .venv/bin/python -m epic_rag.bench.soak soak [--duration 300] [--concurrency 16] [--max-tokens 48]
+                                                 [--out docs/bench]
+    .venv/bin/python -m epic_rag.bench.soak fuzz [--max-examples 100] [--out docs/bench]
 
 soak: `concurrency` asyncio clients (httpx) send chats back to back for `duration` seconds: mostly streamed
 answers over retrieved chunks with a mix of link policies, some non-streamed, some malformed on purpose
@@ -14,7 +15,7 @@ and soak.md; exit status 1 when any request errored, or when the RSS after the w
 --max-rss-growth-mib (512) beyond what chunk KV added to the memory tier explains.
 
 fuzz: schemathesis' `st run` against the server's /openapi.json with the `not_a_server_error` check (any 5xx
-or transport failure is a failure). It runs as `python -m epic_rag_demo.soak st run ...`: schemathesis' own command
+or transport failure is a failure). It runs as `python -m epic_rag.bench.soak st run ...`: schemathesis' own command
 line, after `register_fuzz_hooks` has added a hook that steers two thirds of the generated chat bodies into
 the generation path (served model, a user message last, max_tokens at most 32) so that fuzzed content
 reaches the engine rather than the route's first check. Importing this module registers nothing. Results:
@@ -43,10 +44,10 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from epic_rag.bench.common import DEFAULT_OUT, command_line, machine, percentile, write
+from .common import DEFAULT_OUT, command_line, machine, percentile, write
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULE = "epic_rag_demo.soak"
+MODULE = "epic_rag.bench.soak"
 KEY = "soak-key"
 
 # ---------------------------------------------------------------------- corpus and questions
@@ -729,7 +730,7 @@ def fuzz_markdown(data: dict) -> str:
         "",
         f"Server: `epic-rag demo` on 127.0.0.1 ({data.get('model', '?')}, MiniLM retrieval, API key), corpus of "
         f"{data['documents']} generated documents. Check: `not_a_server_error` (5xx or transport failure). "
-        f"Chat bodies: 2 of 3 steered into the engine by the hook in apps/demo/soak.py "
+        f"Chat bodies: 2 of 3 steered into the engine by the hook in epic_rag/bench/soak.py "
         f"(max_tokens <= {FUZZ_MAX_TOKENS}).",
         "",
         "| figure | value |",

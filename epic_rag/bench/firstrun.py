@@ -3,7 +3,7 @@ pydoc corpus, memory over disk store) started on a fresh data folder, a question
 serves and every chunk found so far is embedded (while the corpus is still chunked and compiled), then timed
 until every chunk is compiled.
 
-    .venv/bin/python -m epic_rag_demo.firstrun [--model M] [--question Q] [--out docs/bench]
+    .venv/bin/python -m epic_rag.bench.firstrun [--model M] [--question Q] [--out docs/bench]
 
 Reports: engine ready (s after start), the question's answer with its TTFT, linked/recomputed tokens and
 how far the compile was when it was asked, corpus embedded and compiled (s after start), peak RSS of the
@@ -19,11 +19,10 @@ import threading
 import time
 from pathlib import Path
 
-from epic_rag.bench.common import DEFAULT_OUT, command_line, machine, table, write
-
+from .common import DEFAULT_OUT, command_line, machine, table, write
 from .soak import KEY, DemoProcess
 
-MODULE = "epic_rag_demo.firstrun"
+MODULE = "epic_rag.bench.firstrun"
 QUESTION = "How do I pretty-print JSON with indentation in Python?"
 
 
