@@ -16,6 +16,8 @@ log = logging.getLogger("epic_rag_demo")
 def register(subparsers) -> None:
     from epic_rag.models import DEMO_MODEL
 
+    from .config import DEFAULT_POLICY
+
     d = subparsers.add_parser(
         "demo",
         help="chat server over documents with an OpenAI-compatible API",
@@ -35,7 +37,9 @@ def register(subparsers) -> None:
         help="chunk store spec (default memory?max_bytes=2G+disk:<data-dir>/kv?max_bytes=20G, so a restart "
         "reuses compiled chunks; memory+redis://HOST:6379/0 shares them between replicas)",
     )
-    d.add_argument("--policy", default="legolink-16", help="default link policy (the page can switch)")
+    d.add_argument(
+        "--policy", default=DEFAULT_POLICY, help="default link policy (the page can switch; default %(default)s)"
+    )
     d.add_argument(
         "--api-key",
         default=None,

@@ -14,8 +14,14 @@ from epic_rag.redact import redact
 
 log = logging.getLogger(__name__)
 
+# The default link policy (each request may pick another): query-aware linking, the measured frontier point for
+# a chat user on the demo's model (1.3 points below full on 150 gold-answer samples, its open-ended answers the
+# closest to full's, at ~1/5 of full's TTFT; legolink-16 is 10 points below, no better than naive:
+# docs/bench/qwen-query, docs/benchmarks.md).
+DEFAULT_POLICY = "query-20"
+
 # The policy switch in the page (the API accepts any name epic_rag.policy.parse_policy accepts).
-PAGE_POLICIES = ["legolink-16", "legolink-0", "naive", "cacheblend-15", "full", "prefix"]
+PAGE_POLICIES = ["query-20", "query-15", "legolink-16", "legolink-0", "naive", "cacheblend-15", "full", "prefix"]
 
 
 def default_data_dir() -> Path:
@@ -27,7 +33,7 @@ class DemoConfig:
     corpus: str = "builtin:pydoc"  # builtin:pydoc, builtin:pydoc:<mod>,<mod>..., or a folder
     data_dir: Path = field(default_factory=default_data_dir)
     store: str | None = None  # chunk store spec; None: memory over a disk tier under data_dir
-    policy: str = "legolink-16"  # default link policy (each request may pick another)
+    policy: str = DEFAULT_POLICY  # default link policy (each request may pick another)
     model: str = DEMO_MODEL  # a coder model for the default corpus (Python's docs); SmolLM2 by --model
     api_key: str | None = None  # when set, every route that does work needs it
     host: str = "127.0.0.1"  # the address bound (without a key, only it and localhost are valid Host names)

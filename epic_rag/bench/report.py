@@ -397,6 +397,14 @@ def load_plot(out: Path, load: dict) -> list[str]:
     ]
 
 
+def _meaning(name: str) -> tuple:
+    """What a policy name means, so two names of one policy match."""
+    from ..policy import parse_policy
+
+    p = parse_policy(name)
+    return p.kind, p.k, p.ratio, p.form
+
+
 def _plots(out: Path, sync, load, acc, model: str) -> list[str]:
     import matplotlib
 
@@ -406,12 +414,13 @@ def _plots(out: Path, sync, load, acc, model: str) -> list[str]:
     made = []
     if acc and sync:
         ctx = max(r["context"] for r in sync)
-        ttft = {r["policy"]: r["ttft_median_s"] for r in sync if r["context"] == ctx}
+        ttft = {_meaning(r["policy"]): r["ttft_median_s"] for r in sync if r["context"] == ctx}
         fig, ax = plt.subplots(figsize=(6, 4))
         for r in acc["summary"]:
-            if r["policy"] in ttft:
-                ax.scatter(ttft[r["policy"]], r["substring_acc"])
-                ax.annotate(r["policy"], (ttft[r["policy"]], r["substring_acc"]), fontsize=8)
+            t = ttft.get(_meaning(r["policy"]))  # legolink-16 and legolink-sink-16 are one policy
+            if t is not None:
+                ax.scatter(t, r["substring_acc"])
+                ax.annotate(r["policy"], (t, r["substring_acc"]), fontsize=8)
         ax.set_xlabel(f"TTFT (s) at {ctx} tokens")
         ax.set_ylabel("accuracy (%)")
         ax.set_title(f"TTFT vs accuracy ({model.split(' ')[0]})", fontsize=9)
