@@ -175,7 +175,7 @@ class _LinkAttention(torch.nn.Module):
         scores[..., T:].masked_fill_(blocked, float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [Hkv, G, nq, T + nq]
         # Summed over every layer: on the dev split the first half of the layers alone lost 6 points, the
-        # second half alone did as well as all of them (README, query-aware linking).
+        # second half alone did as well as all of them (docs/bench/qwen-query/dev.md).
         mass = probs[..., :T].sum(dim=(0, 1, 2)) / (Hq * nq)  # [T]
         s.score = mass if s.score is None else s.score.add_(mass)
         out = torch.bmm(probs.view(Hk, G * nq, T + nq), V)  # [Hkv, G * nq, D]
