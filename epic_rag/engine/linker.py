@@ -5,14 +5,14 @@ Runs on the worker, inside vLLM's steps. The requests that link together are lin
 once, or a few each step, see connector.py). A request links over the positions it owns, [start, end): below
 `start` its pages already hold vLLM's own KV (a prefix-cache hit), which is neither refilled nor recomputed.
 
-Kernel path (every request on a GPU; on a CPU, those whose recompute set has few runs): the pass's cached
-chunk KV goes straight into the pages, keys rotated to their linked positions (stage.py: one fused kernel per
-group of layers on a GPU, a token-major staging buffer and vLLM's own cache-write op on a CPU); then the
-model's own decoder layer runs ONCE on the recompute sets R of all the pass's requests, packed one after
-another, with the attention module swapped for `_LinkAttention` (architecture details stay in vLLM's model
-code; the swap is undone before the step's forward runs), which writes R's fresh K/V into the pages and
-attends with the backend's own kernel, one call for the whole pass. Buffer path (CPU layouts only, where the
-kernel would re-read the prefix once per run): the request's pages are filled the same way; per layer they are
+Kernel path (every request where the backend has a paged attention kernel: FlashAttention, vLLM's CPU
+attention): the pass's cached chunk KV goes straight into the pages, keys rotated to their linked positions
+(stage.py: one fused kernel per group of layers on a GPU, a token-major staging buffer and vLLM's own
+cache-write op on a CPU); then the model's own decoder layer runs ONCE on the recompute sets R of all the pass's
+requests, packed one after another, with the attention module swapped for `_LinkAttention` (architecture details
+stay in vLLM's model code; the swap is undone before the step's forward runs), which writes R's fresh K/V into
+the pages and attends with the backend's own kernel, one call for the whole pass. Buffer path (the fallback
+where a layout's kernel refuses a request): the request's pages are filled the same way; per layer they are
 gathered into a token-major buffer for positions [0, T), R's fresh K/V written into the buffer and the pages,
 and its queries attend over the buffer with a position-causal mask.
 
@@ -22,8 +22,11 @@ Recompute sets (R always holds every token without a cache: template glue, syste
 - cacheblend-r: every token through layers 0..CHECK_LAYER; at CHECK_LAYER the chunk tokens whose
   *keys* deviate most from the cache (L2 over heads and dims, after re-rotation: LMCache's rule)
   are kept, the top r fraction, and only they (plus uncached tokens) are recomputed in later layers.
-  The selection is made per request, then the batch is re-packed (the one place a pass reads device values
-  on the host: the picks decide the kernel plan).
+  The selection is made per request, then the batch is re-packed;
+- query-r: a probe pass first (uncached tokens, and the prompt's tail attending over the linked KV: the
+  attention each chunk token gets, summed over layers), then the top r fraction of chunk tokens by it (plus
+  uncached tokens) through every layer (`_main_pass`).
+The picks of cacheblend and query are the only device values a pass reads on the host: they decide the plan.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ log = logging.getLogger(__name__)
 
 CHECK_LAYER = 1  # CacheBlend selects its tokens from the deviation at this layer
 ATTN_BUCKET = 256  # recompute queries are grouped by position // ATTN_BUCKET for the sparse attention
-WORKSPACE_PROMPTS = 2  # the workspace's default size, in whole prompts of max_model_len tokens
+WORKSPACE_PROMPTS = 2  # a pass's default size (workspace_tokens), in whole prompts of max_model_len tokens
 
 
 @dataclass(slots=True)
@@ -171,7 +174,7 @@ class _LinkAttention(torch.nn.Module):
         V = torch.cat([Vc, v.to(Vc.dtype)]).float().transpose(0, 1)  # [Hkv, T + nq, D]
         qh = q.view(nq, Hk, G, D).permute(1, 2, 0, 3).float().reshape(Hk, G * nq, D)
         scores = torch.bmm(qh, K).mul_(self.scale).view(Hk, G, nq, T + nq)
-        blocked = torch.ones((nq, nq), dtype=torch.bool).triu_(1).to(scores.device)  # a row sees tail keys <= it
+        blocked = torch.ones((nq, nq), dtype=torch.bool, device=scores.device).triu_(1)  # a row sees tail keys <= it
         scores[..., T:].masked_fill_(blocked, float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [Hkv, G, nq, T + nq]
         # Summed over every layer: on the dev split the first half of the layers alone lost 6 points, the
