@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"epic_rag": ROOT / "epic_rag", "epic_rag_demo": ROOT / "apps" / "demo"}
 MAX_LINES = 600
 # Harnesses that measure the code rather than serve it: their size follows what they measure.
-HARNESSES = (ROOT / "epic_rag" / "bench", ROOT / "scripts")
+HARNESSES = (ROOT / "epic_rag" / "bench",)
 
 
 def _modules() -> dict[str, Path]:
@@ -118,7 +118,7 @@ def test_vllm_api_imports_no_other_engine_module():
 
 
 def test_no_source_file_is_over_600_lines_outside_the_tests_and_the_harnesses():
-    sources = [*ROOT.glob("epic_rag/**/*.py"), *ROOT.glob("apps/**/*.py"), *ROOT.glob("examples/*.py")]
+    sources = [p for d in ("epic_rag", "apps", "examples", "scripts") for p in ROOT.glob(f"{d}/**/*.py")]
     assert len(sources) > 90
     long = {
         str(p.relative_to(ROOT)): n

@@ -1,8 +1,8 @@
 """Cached chunk K/V into a link pass's pages, before each layer's recompute (the linker's kernel path).
 
-A pass's plan (FillPlan) is built once on the host: every linked row of every request whose attention runs
-over its pages, as segments of records (a span cut to the positions the link owns), the slot of each row and
-the position shift of its keys. Two fillers carry it out, behind one interface:
+A pass's plan (FillPlan) is built once on the host: every linked row of every request of the pass, as
+segments of records (a span cut to the positions the link owns), the slot of each row and the position shift
+of its keys. Two fillers carry it out, behind one interface:
 
 - TritonFiller (CUDA, vLLM's Triton): the per-row table travels to the device in one copy; records already in
   device memory (the GPU tier) are read where they lie, records in host memory are copied for a group of
