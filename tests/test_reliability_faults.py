@@ -38,7 +38,7 @@ from epic_rag.engine.stores import RETRY_S
 from epic_rag.store import DiskStore, MemoryStore, open_store
 from epic_rag.testing.localredis import LocalRedis
 from epic_rag_demo.background import BackgroundServer
-from epic_rag_demo.config import DemoConfig
+from epic_rag_demo.config import DEFAULT_POLICY, DemoConfig
 from epic_rag_demo.server import create_app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -520,7 +520,7 @@ def test_non_stream_clients_that_give_up_are_cancelled(server, tiny_engine, monk
 
 
 async def test_many_concurrent_disconnects(server, tiny_engine, monkeypatch):
-    cancelled = server.app.state.demo.metrics.chat.labels("legolink-16", "true", "cancelled")
+    cancelled = server.app.state.demo.metrics.chat.labels(DEFAULT_POLICY, "true", "cancelled")  # none named
     before = cancelled._value.get()
     aborted = _counting_aborts(monkeypatch, tiny_engine)
 
