@@ -1,6 +1,6 @@
 """Shared fixtures. vLLM keeps process-global state (one KV connector per process), so each pytest
-process holds at most one engine: `make test` runs the tiny-model tests and the SmolLM2 tests as two
-sessions (`-m "not smollm"` and `-m smollm`)."""
+process holds at most one engine: `make test` runs the tiny-model, SmolLM2 and Qwen tests as three sessions
+(`-m "not smollm and not qwen"`, `-m smollm`, `-m qwen`)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,15 @@ def smol_engine():
     )
     yield eng
     eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_serve(tmp_path_factory):
+    """One stock `vllm serve` with EpicConnector on the one-layer tiny model for the session's serve tests (each
+    test its own tenant namespace): (url, tokenizer, server log)."""
+    from _tiny_serve import serve_tiny
+
+    yield from serve_tiny(tmp_path_factory, "serve")
 
 
 @pytest.fixture(scope="session")

@@ -316,16 +316,22 @@ def test_a_key_from_another_fingerprint_or_variant_label_never_matches():
     assert key_of("other", A, lead_id(LEAD), [SINK] + CHUNK) != chunk_key(FP, CHUNK, LEAD, "tenant-a")
 
 
-def test_a_records_lead_and_tenant_survive_the_shared_tiers_and_are_covered_by_the_hmac(tmp_path):
-    from epic_rag.store import codec, open_store
-
-    store = open_store(f"disk:{tmp_path}/kv?secret=s3cret")
+def _put_and_get(store):
+    """(key, record, what the store returns for it) for one of tenant A's records with its lead."""
     key = chunk_key(FP, CHUNK, LEAD, "tenant-a")
     kv = ChunkKV(key, [SINK] + CHUNK, torch.ones(1, 1 + len(CHUNK), 1, 2), torch.ones(1, 1 + len(CHUNK), 1, 2))
     kv.lead, kv.tenant = lead_id(LEAD), A
     store.put(kv)
     got = store.get(key)
     assert (got.lead, got.tenant) == (kv.lead, kv.tenant) and record_key(FP, got) == key
+    return key, kv, got
+
+
+def test_a_records_lead_and_tenant_survive_the_shared_tiers_and_are_covered_by_the_hmac(tmp_path):
+    from epic_rag.store import codec, open_store
+
+    store = open_store(f"disk:{tmp_path}/kv?secret=s3cret")
+    key, kv, got = _put_and_get(store)
     # a writer without the secret re-labels the record's lead: the entry no longer verifies
     forged = ChunkKV(key, kv.token_ids, kv.k, kv.v, lead=lead_id(EVIL), tenant=A)
     (tmp_path / "kv" / f"{key}.safetensors").write_bytes(codec.encode(forged))
@@ -337,11 +343,6 @@ def test_a_records_lead_and_tenant_survive_every_tier(tmp_path, spec):
     from epic_rag.store import open_store
 
     store = open_store(spec.format(tmp=tmp_path))
-    key = chunk_key(FP, CHUNK, LEAD, "tenant-a")
-    kv = ChunkKV(key, [SINK] + CHUNK, torch.ones(1, 1 + len(CHUNK), 1, 2), torch.ones(1, 1 + len(CHUNK), 1, 2))
-    kv.lead, kv.tenant = lead_id(LEAD), A
-    store.put(kv)
-    got = store.get(key)
-    assert (got.lead, got.tenant) == (kv.lead, kv.tenant) and record_key(FP, got) == key
+    key, kv, got = _put_and_get(store)
     part = got.slice(1, 5)
     assert (part.lead, part.tenant) == (kv.lead, kv.tenant)

@@ -8,51 +8,22 @@ each). The server is started as the serve benchmark starts it (epic_rag.bench.se
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from _tiny_serve import CHUNKS, serve_tiny
 
 from epic_rag.engine.tenancy import unique_salt
 
 pytestmark = pytest.mark.slow  # starts vLLM's own OpenAI server processes
 
-ROOT = Path(__file__).resolve().parents[1]
-CHUNKS = [
-    f"def scale_{i}(values, k={i}):\n    out = []\n    for v in values:\n        out.append(v * k + {i * i})\n"
-    f"    return out\n"
-    for i in range(3)
-]
-
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def server(tmp_path_factory, request):
-    from transformers import AutoTokenizer
-
-    from epic_rag.bench.serve import start_server, stop_server
-    from epic_rag.paths import cache_dir
-    from epic_rag.testing.tiny_model import build_tiny_model
-
-    model = build_tiny_model(cache_dir() / "test-models" / "tiny-llama-1layer", layers=1)
-    env, args = {"PYTHONPATH": str(ROOT)}, []
-    if request.param > 1:  # tensor parallel workers: one KV head each; these machines need manual binding
-        args += ["--tensor-parallel-size", str(request.param)]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    proc, url = start_server(
-        str(model),
-        2048,
-        {"store": "memory", "find_chunks": "legolink-0"},
-        served_name="tiny",
-        args=args,
-        env=env,
-        kv_cache_gib=1,
-        log_path=log,
-        timeout_s=600,
-    )
-    try:
-        yield url, AutoTokenizer.from_pretrained(model), log
-    finally:
-        stop_server(proc)
+    if request.param == 1:  # the session's one-worker server (the red-team tests' too: another tenant)
+        yield request.getfixturevalue("tiny_serve")
+        return
+    # tensor parallel workers: one KV head each; these machines need manual binding
+    args, env = ["--tensor-parallel-size", str(request.param)], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    yield from serve_tiny(tmp_path_factory, "serve-tp", args, env)
 
 
 def _complete(client, prompt: list[int], max_tokens: int, params: dict | None = None, **extra):
