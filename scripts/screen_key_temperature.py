@@ -42,22 +42,22 @@ def patch(t: float) -> None:
                     r[0] = 1.0  # the chunk's sink row
                 rows.extend(r)
 
-    def layer(self, f, li: int) -> None:  # TorchFiller.layer with the scaling after the rotation
-        M = f.plan.num_rows
-        if M == 0:
-            return
-        k, v = self._k[:M], self._v[:M]  # [M, Hkv, D]
-        for s in f.plan.segments:
-            k[s.m0 : s.m0 + s.n].copy_(s.k[li])
-            v[s.m0 : s.m0 + s.n].copy_(s.v[li])
-        stage.rotate_rows_(k, f.cos, f.sin, self.rotator.rotary_dim, self.rotator.is_neox)
-        scale = torch.tensor(scales[id(f.plan)], dtype=k.dtype, device=k.device)  # [M]
-        assert len(scale) == M
+    rotate, fill_layer, current = stage.rotate_rows_, stage.TorchFiller.layer, {}
+
+    def layer(self, f, li: int) -> None:
+        current["plan"] = id(f.plan)  # the plan whose rows the rotation below sees
+        fill_layer(self, f, li)
+
+    def rotate_and_scale_(k: torch.Tensor, cos, sin, rot: int, neox: bool) -> None:
+        # k: [M, Hkv, D] the pass's staged record rows, rotated in place, then each row scaled in place
+        rotate(k, cos, sin, rot, neox)
+        scale = torch.tensor(scales[current["plan"]], dtype=k.dtype, device=k.device)  # [M]
+        assert len(scale) == len(k)
         k.mul_(scale[:, None, None])
-        self.layout.write(self.caches[li], f.slots, k, v)
 
     Linker._plan_fill = plan_fill_and_scales
     stage.TorchFiller.layer = layer
+    stage.rotate_rows_ = rotate_and_scale_
 
 
 def main() -> int:
