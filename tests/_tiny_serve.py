@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
+
+from _engine_process import ROOT
 
 # three small functions, each a chunk of its own
 CHUNKS = [
@@ -30,7 +31,7 @@ def serve_tiny(tmp_path_factory, label: str, args: list[str] | None = None, env:
         {"store": "memory", "find_chunks": "legolink-0"},
         served_name="tiny",
         args=args or [],
-        env={"PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})},
+        env={"PYTHONPATH": str(ROOT), **(env or {})},
         kv_cache_gib=1,
         log_path=log,
         timeout_s=600,

@@ -485,13 +485,18 @@ def test_prometheus_method_labels_come_from_a_fixed_set_not_the_clients_method(t
         assert "other" in methods and "X000" not in text
 
 
-def _multipart(name: str, data: bytes, hold: threading.Event | None = None):
-    """A multipart upload body, as a generator that (with `hold`) stops after its first part until set."""
-    head = (
+def _part_head(name: str) -> bytes:
+    """The opening of a multipart body's one file part, up to its content."""
+    return (
         b'--b0undary\r\nContent-Disposition: form-data; name="file"; filename="'
         + name.encode()
         + b'"\r\nContent-Type: text/plain\r\n\r\n'
     )
+
+
+def _multipart(name: str, data: bytes, hold: threading.Event | None = None):
+    """A multipart upload body, as a generator that (with `hold`) stops after its first part until set."""
+    head = _part_head(name)
 
     def body():
         yield head
@@ -510,12 +515,11 @@ def _headers_only_upload(url: str, authorization: str | None) -> tuple[int, byte
     from urllib.parse import urlsplit
 
     u = urlsplit(url)
-    part = b'--b0undary\r\nContent-Disposition: form-data; name="file"; filename="over.txt"\r\n\r\n'
     auth = f"Authorization: {authorization}\r\n" if authorization else ""
     request = (
         f"POST /api/documents HTTP/1.1\r\nHost: {u.netloc}\r\n{auth}Content-Length: 10000\r\n"
         "Content-Type: multipart/form-data; boundary=b0undary\r\n\r\n"
-    ).encode() + part
+    ).encode() + _part_head("over.txt")
     with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
         sock.sendall(request)
         answer = b""

@@ -6,17 +6,11 @@ such errors: it overwrites every cached entry.) The engine runs in a subprocess:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+import _engine_process
 import pytest
 
 pytestmark = pytest.mark.slow  # starts an engine in its own process
 
-ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import dataclasses, json
@@ -43,10 +37,6 @@ eng.shutdown()
 
 
 def test_one_layer_model_links_exactly_in_any_order_under_every_policy():
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, f"engine subprocess failed (rc={r.returncode}):\n{r.stderr[-4000:]}"
-    for policy, runs in json.loads(lines[-1][len("RESULT ") :]).items():
+    for policy, runs in _engine_process.run(SCRIPT, {}).items():
         for same, linked in runs:
             assert linked > 0 and same, (policy, runs)

@@ -13,7 +13,6 @@ The engine under test is the session's `tiny_engine`; a test points it at anothe
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -24,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+import _engine_process
 import httpx
 import psutil
 import pytest
@@ -346,15 +346,14 @@ def test_engine_killed_mid_write_leaves_no_entry_that_reads_as_valid(tiny_engine
     d = tmp_path / "kv"
     d.mkdir()
     hang_at = 6  # batch 1 writes 4 entries, batch 2 is killed on its 2nd
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
     log = open(tmp_path / "engine.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-c", KILL_SCRIPT, json.dumps({"dir": str(d), "hang_at": hang_at, "chunks": KILL_CHUNKS})],
+        _engine_process.command(KILL_SCRIPT, {"dir": str(d), "hang_at": hang_at, "chunks": KILL_CHUNKS}),
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
-        cwd=ROOT,
-        env=env,
+        cwd=_engine_process.ROOT,
+        env=_engine_process.environment(),
     )
     lines: list[str] = []
     killed = threading.Event()
