@@ -3,8 +3,8 @@
 APE (ICLR 2025) divides the logits of query tokens over cached context by T; with S*T = 1 that is the same as
 scaling the context's keys by 1/T, since q.(k/T) = (q.k)/T. This script runs the accuracy bench with the chunk
 keys the linker writes from records scaled by 1/T after their rotation. Left alone, as APE leaves its shared
-prefix alone: exact spans (the template prefix linked at position 0) and each chunk's own sink row (the
-record's first row in the sink compile form). Recomputed tokens get fresh, unscaled keys; the question and
+prefix alone: exact spans (the template prefix linked at position 0) and, for policies that keep it in the
+prompt (naive), each chunk's own sink row. Recomputed tokens get fresh, unscaled keys; the question and
 template are computed as usual. Results: docs/bench/qwen-query/dev.md.
 
     .venv/bin/python scripts/screen_key_temperature.py --t 0.9 -- --model qwen2.5-coder-0.5b-instruct \
@@ -33,13 +33,13 @@ def patch(t: float) -> None:
         if fill.num_rows == 0:  # a new plan (ids of freed plans are reused)
             scales[id(fill)] = []
         plan_fill(self, fill, s)
-        rows = scales[id(fill)]
+        rows, keeps_sink = scales[id(fill)], s.load.job.policy.keeps_sink
         for sp in s.load.job.spans:  # the rows the original added, in its order
             a, b = max(sp.start, s.load.start), min(sp.start + sp.kv.num_tokens, s.load.end)
             if a < b:
                 r = [1.0 if sp.exact else 1.0 / t] * (b - a)
-                if not sp.exact and a == sp.start:
-                    r[0] = 1.0  # the chunk's sink row
+                if keeps_sink and not sp.exact and a == sp.start:
+                    r[0] = 1.0  # the chunk's sink row (a sink-dropping policy links none)
                 rows.extend(r)
 
     rotate, fill_layer, current = stage.rotate_rows_, stage.TorchFiller.layer, {}
