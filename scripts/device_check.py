@@ -158,7 +158,7 @@ def timed(report: Report, name: str, fn, device: torch.device, reps: int, warmup
 
 
 def check_rotation(report: Report, device: torch.device, dtype: torch.dtype, quick: bool) -> None:
-    from epic_rag.engine.rope import KeyRotator
+    from epic_rag.engine.link.rope import KeyRotator
 
     max_pos = 8192
     eps = torch.finfo(dtype).eps
@@ -205,7 +205,7 @@ def _flash_cache(B: int, dtype: torch.dtype, device: torch.device, physical: str
 
 
 def check_layout(report: Report, device: torch.device, dtype: torch.dtype, quick: bool) -> None:
-    from epic_rag.engine.layout import FlashAttnLayout, slots_for
+    from epic_rag.engine.link.layout import FlashAttnLayout, slots_for
     from epic_rag.testing.varlen import ReferenceFlashKernels
 
     layout = FlashAttnLayout(ReferenceFlashKernels())  # the start-up check runs the kernels: the stand-in here
@@ -280,7 +280,7 @@ def legolink_R(T: int, chunks: int = 8, head: int = 16, tail: int = 32) -> torch
 def check_flash_adapter(report: Report, s, device, dtype, T: int, tol: float, ref: torch.Tensor) -> None:
     """FlashAttnLayout's own kernel path (RunPlan on the device, cache write, one varlen call), as the linker
     calls it, with a kernel written from FlashAttention's contract and, on CUDA, torch's FlashAttention."""
-    from epic_rag.engine.layout import FlashAttnLayout, LayoutError
+    from epic_rag.engine.link.layout import FlashAttnLayout, LayoutError
     from epic_rag.testing.varlen import ReferenceFlashKernels
 
     nR = len(s.R)
@@ -321,7 +321,7 @@ def check_flash_adapter(report: Report, s, device, dtype, T: int, tol: float, re
 
 
 def attention_setup(device, dtype, T, seed=3):
-    from epic_rag.engine.linker import _LinkAttention, _Seq
+    from epic_rag.engine.link.linker import _LinkAttention, _Seq
 
     g = torch.Generator().manual_seed(seed)
     R = legolink_R(T).to(device)
@@ -359,7 +359,7 @@ def attention_setup(device, dtype, T, seed=3):
 
 
 def check_attention(report: Report, device: torch.device, dtype: torch.dtype, quick: bool) -> None:
-    from epic_rag.engine.layout import FlashAttnLayout, query_runs
+    from epic_rag.engine.link.layout import FlashAttnLayout, query_runs
 
     T = 512 if quick else 4096
     s = attention_setup(device, dtype, T)
@@ -421,7 +421,7 @@ def check_attention(report: Report, device: torch.device, dtype: torch.dtype, qu
 
 
 def _time_rotation(report, device, dtype, L, T, reps, warmup) -> None:
-    from epic_rag.engine.rope import KeyRotator
+    from epic_rag.engine.link.rope import KeyRotator
 
     rot = KeyRotator(Llama3RotaryEmbedding(D, 8192))
     keys = torch.randn((L, T, HK, D), generator=torch.Generator().manual_seed(21)).to(dtype).to(device)
@@ -429,7 +429,7 @@ def _time_rotation(report, device, dtype, L, T, reps, warmup) -> None:
 
 
 def _time_layout_write(report, device, dtype, L, T, reps, warmup) -> None:
-    from epic_rag.engine.layout import FlashAttnLayout
+    from epic_rag.engine.link.layout import FlashAttnLayout
 
     g = torch.Generator().manual_seed(22)
     layout, nblk = FlashAttnLayout(), -(-T // BLOCK)
@@ -446,7 +446,7 @@ def _time_layout_write(report, device, dtype, L, T, reps, warmup) -> None:
 
 
 def _time_attention(report, device, dtype, T, reps, warmup) -> int:
-    from epic_rag.engine.layout import query_runs
+    from epic_rag.engine.link.layout import query_runs
 
     s = attention_setup(device, dtype, T, seed=4)
     qsl, seq_lens = query_runs(s.R)

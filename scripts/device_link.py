@@ -15,7 +15,7 @@ as in ../shared/device/bench_link_gpu.py). Rows (median wall ms, device synchron
 - the same from GPU-tier records (device-resident: no host-to-device copy);
 - the same from pageable host records (a store without pinning: one extra host copy per record per link);
 - the torch filler (the fallback where Triton is missing) from pinned host records;
-- with --before: the linker as it was (a copy of epic_rag/engine/linker.py from an older commit), pinned and
+- with --before: the linker as it was (a copy of epic_rag/engine/link/linker.py from an older commit), pinned and
   pageable records;
 - references: the recompute GEMMs alone (the same rows through 32 layers), a full prefill of the 4136 tokens
   (GEMMs + causal SDPA), a pinned host-to-device copy of the records' bytes, a device-to-device copy.
@@ -40,11 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from epic_rag.engine import kernels  # noqa: E402
-from epic_rag.engine import linker as lk  # noqa: E402
 from epic_rag.engine.jobs import LinkJob, LinkSpan  # noqa: E402
-from epic_rag.engine.layout import FlashAttnLayout  # noqa: E402
-from epic_rag.engine.rope import KeyRotator  # noqa: E402
+from epic_rag.engine.link import kernels  # noqa: E402
+from epic_rag.engine.link import linker as lk  # noqa: E402
+from epic_rag.engine.link.layout import FlashAttnLayout  # noqa: E402
+from epic_rag.engine.link.rope import KeyRotator  # noqa: E402
 from epic_rag.policy import parse_policy  # noqa: E402
 from epic_rag.store import ChunkKV  # noqa: E402
 from epic_rag.testing.stub_model import StubModel  # noqa: E402
@@ -89,7 +89,7 @@ def timed(fn, device, reps: int, warmup: int = 2) -> dict:
 def check_budget(new_linker, link_fn, records, stack, h, dev) -> dict:
     """The asynchronous link budget on the device's clock: a few busy steps, each a forward then a share of a
     link (budget.py), with real events polled, never waited for."""
-    from epic_rag.engine.budget import link_budget
+    from epic_rag.engine.link.budget import link_budget
 
     ln, _ = new_linker(lk)
     _, j = link_fn(ln, lk, *records("gpu"))
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="small shapes (a logic dry run)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--before", default=None, help="a copy of an older epic_rag/engine/linker.py to time too")
+    ap.add_argument("--before", default=None, help="a copy of an older epic_rag/engine/link/linker.py to time too")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     dev = torch.device(a.device)

@@ -20,8 +20,8 @@ import sys
 import torch
 
 from epic_rag.bench.cli import parse_args, run
-from epic_rag.engine import stage
-from epic_rag.engine.linker import Linker
+from epic_rag.engine.link import stage
+from epic_rag.engine.link.linker import Linker
 
 
 def patch(t: float) -> None:

@@ -10,15 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from epic_rag.engine import connector as conn
-from epic_rag.engine import connector_meta as cm
-from epic_rag.engine.budget import HostBudget
-from epic_rag.engine.connector_config import ConnectorConfig
-from epic_rag.engine.finder import ANCHOR, ChunkFinder
+from epic_rag.engine.connector import epic as conn
+from epic_rag.engine.connector import meta as cm
+from epic_rag.engine.connector.config import ConnectorConfig
+from epic_rag.engine.connector.finder import ANCHOR, ChunkFinder
+from epic_rag.engine.connector.support import LinkUnsupported
+from epic_rag.engine.connector.tenancy import Tenancy
 from epic_rag.engine.jobs import MAX_SPANS, LinkRequest, SpanRef
+from epic_rag.engine.link.budget import HostBudget
 from epic_rag.engine.stores import ChunkStores
-from epic_rag.engine.support import LinkUnsupported
-from epic_rag.engine.tenancy import Tenancy
 from epic_rag.keys import tenant_id
 from epic_rag.policy import parse_policy
 from epic_rag.store import ChunkKV, MemoryStore

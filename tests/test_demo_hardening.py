@@ -602,7 +602,7 @@ def test_the_demos_data_folders_and_embedding_cache_are_owner_only_and_the_cache
 def test_secrets_in_a_store_spec_never_reach_a_log_or_an_error(caplog):
     import logging
 
-    from epic_rag.engine.connector_worker import _internal_error
+    from epic_rag.engine.connector.worker import _internal_error
     from epic_rag.store import open_store
     from epic_rag_demo.config import open_demo_store
 

@@ -71,7 +71,7 @@ def test_the_api_reference_lists_every_public_name(package, documented):
 
 
 def test_every_connector_option_is_a_documented_field_and_every_option_read_is_one():
-    config = ROOT / "epic_rag" / "engine" / "connector_config.py"
+    config = ROOT / "epic_rag" / "engine" / "connector" / "config.py"
     fields = _fields(config, "ConnectorConfig")
     assert {"store", "local", "workspace_tokens", "async_links", "link_step_share", "find_chunks", "tenant"} <= fields
     read = set()
@@ -81,6 +81,6 @@ def test_every_connector_option_is_a_documented_field_and_every_option_read_is_o
 
 
 def test_the_connector_options_appear_in_the_api_reference(documented):
-    fields = _fields(ROOT / "epic_rag" / "engine" / "connector_config.py", "ConnectorConfig")
-    cls = "epic_rag.engine.connector_config.ConnectorConfig"
+    fields = _fields(ROOT / "epic_rag" / "engine" / "connector" / "config.py", "ConnectorConfig")
+    cls = "epic_rag.engine.connector.config.ConnectorConfig"
     assert cls in documented and {f"{cls}.{f}" for f in fields} <= documented

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from epic_rag import Chunk, ChunkRef, RagRequest, parse_policy
-from epic_rag.engine.connector import pending
+from epic_rag.engine.connector.epic import pending
 from epic_rag.policy import SINK_LEN
 
 CHUNKS = [
@@ -238,7 +238,7 @@ def test_prefix_policy_reuses_exact_prefixes_and_matches_full(tiny_engine):
 
 
 def test_a_failed_link_is_never_served(tiny_engine, monkeypatch):
-    from epic_rag.engine import linker
+    from epic_rag.engine.link import linker
 
     def broken(self, p, deadline=None):
         raise RuntimeError("simulated linker fault")
@@ -465,7 +465,7 @@ def test_a_fault_in_the_batched_pass_fails_every_request_of_the_batch_and_the_en
 
 
 def test_a_batch_mixing_kernel_and_buffer_attention_equals_one_by_one(tiny_engine, monkeypatch):
-    from epic_rag.engine.layout import CpuAttnLayout
+    from epic_rag.engine.link.layout import CpuAttnLayout
 
     # Which requests attend with the kernel: those with an even number of recomputed tokens (a property of
     # the request alone, so one by one and batched take the same paths); the rest attend over buffers.
@@ -505,7 +505,7 @@ def test_linker_on_the_flash_attention_plan_and_kernel_contract_equals_one_by_on
     # The CUDA path cannot run here. This runs the linker through FlashAttnLayout's kernel path as far as a CPU
     # allows: its any-number-of-runs rule (CacheBlend's scattered picks attend with the kernel too), the shared
     # RunPlan, and a kernel written from FlashAttention's varlen contract reading vLLM's CPU pages.
-    from epic_rag.engine.layout import CpuAttnLayout, FlashAttnLayout, RunPlan
+    from epic_rag.engine.link.layout import CpuAttnLayout, FlashAttnLayout, RunPlan
     from epic_rag.testing.varlen import ReferenceFlashKernels
 
     kernels = ReferenceFlashKernels()
@@ -537,7 +537,8 @@ def test_linker_on_the_flash_attention_plan_and_kernel_contract_equals_one_by_on
 def test_a_link_while_others_decode_runs_a_layer_a_step_and_equals_the_same_link_run_alone(tiny_engine, monkeypatch):
     import threading
 
-    from epic_rag.engine import linker, vllm_api
+    from epic_rag.engine import vllm_api
+    from epic_rag.engine.link import linker
 
     alone = tiny_engine.generate(_req(CHUNKS[::-1]), max_tokens=12, policy="legolink-16")  # idle steps: whole
     monkeypatch.setattr(vllm_api.kv_connector()._budget, "share", 0.0)  # a busy step: one layer of a link

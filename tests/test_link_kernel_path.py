@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from epic_rag.engine import kernels, linker, stage
-from epic_rag.engine.budget import DeviceBudget, HostBudget
 from epic_rag.engine.jobs import LinkJob, LinkSpan
-from epic_rag.engine.layout import FlashAttnLayout, LayoutError, canonical_strides
-from epic_rag.engine.rope import KeyRotator
+from epic_rag.engine.link import kernels, linker, stage
+from epic_rag.engine.link.budget import DeviceBudget, HostBudget
+from epic_rag.engine.link.layout import FlashAttnLayout, LayoutError, canonical_strides
+from epic_rag.engine.link.rope import KeyRotator
 from epic_rag.policy import parse_policy
 from epic_rag.store import ChunkKV
 from epic_rag.testing.stub_model import RotaryEmbedding, StubModel
@@ -183,7 +183,7 @@ def test_kernel_path_pages_equal_the_buffer_path_for_a_batch_with_a_prefix_hit(i
 
 
 def test_recompute_below_a_prefix_hit_is_left_to_vllm_and_the_request_stays_on_the_kernel_path():
-    from epic_rag.engine.layout import CpuAttnLayout
+    from epic_rag.engine.link.layout import CpuAttnLayout
 
     g = torch.Generator().manual_seed(2)
     recs = _records(2, 2, 16, torch.float32, g)
@@ -461,7 +461,7 @@ def test_the_rope_self_check_leaves_the_models_shared_rotary_table_alone():
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding as VllmRope
 
-    from epic_rag.engine import rope
+    from epic_rag.engine.link import rope
 
     with set_current_vllm_config(VllmConfig()):
         r = VllmRope(64, 64, 4096, 10000.0, True, torch.bfloat16)

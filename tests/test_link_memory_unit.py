@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from epic_rag import EngineConfig
-from epic_rag.engine import link_memory, vllm_api
+from epic_rag.engine import vllm_api
+from epic_rag.engine.link import memory as link_memory
 
 
 @pytest.fixture

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from epic_rag.engine import connector as conn
-from epic_rag.engine import connector_meta as cm
-from epic_rag.engine.finder import ANCHOR, PER_ANCHOR, ChunkFinder
+from epic_rag.engine.connector import epic as conn
+from epic_rag.engine.connector import meta as cm
+from epic_rag.engine.connector.finder import ANCHOR, PER_ANCHOR, ChunkFinder
+from epic_rag.engine.connector.tenancy import Tenancy, namespace_of, unique_salt
 from epic_rag.engine.jobs import MAX_SPANS, Capture, CompileRequest, LinkRequest, SpanRef
 from epic_rag.engine.stores import ChunkStores, checked_store, new_glue_store
-from epic_rag.engine.tenancy import Tenancy, namespace_of, unique_salt
 from epic_rag.keys import chunk_key, compile_variant, key_of, lead_id, record_key, tenant_id
 from epic_rag.matching import ChunkTextIndex
 from epic_rag.policy import parse_policy

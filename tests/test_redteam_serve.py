@@ -21,9 +21,9 @@ import time
 import pytest
 from _tiny_serve import CHUNKS
 
-from epic_rag.engine.finder import ANCHOR, PER_ANCHOR
+from epic_rag.engine.connector.finder import ANCHOR, PER_ANCHOR
+from epic_rag.engine.connector.tenancy import unique_salt
 from epic_rag.engine.jobs import MAX_SPANS
-from epic_rag.engine.tenancy import unique_salt
 
 pytestmark = pytest.mark.slow  # starts a vLLM OpenAI server process
 

@@ -33,7 +33,7 @@ from test_reliability_inputs import engine_idle
 from test_store import mount_tmpfs_or_skip, readonly_dir  # noqa: F401  (fixture)
 
 from epic_rag import RagRequest
-from epic_rag.engine.connector import pending
+from epic_rag.engine.connector.epic import pending
 from epic_rag.engine.stores import RETRY_S
 from epic_rag.store import DiskStore, MemoryStore, open_store
 from epic_rag.testing.localredis import LocalRedis

@@ -24,7 +24,7 @@ import pytest
 from test_demo_unit import HashEncoder
 
 from epic_rag import Chunk, ChunkRef, RagRequest
-from epic_rag.engine.connector import pending
+from epic_rag.engine.connector.epic import pending
 from epic_rag.prompt import encode_text
 from epic_rag_demo.background import BackgroundServer
 from epic_rag_demo.config import DemoConfig

@@ -93,8 +93,8 @@ def test_a_record_with_the_right_tokens_but_kv_computed_behind_another_lead_is_n
 
     from epic_rag import RagRequest
     from epic_rag.engine.chunks import event_sink
+    from epic_rag.engine.connector.tenancy import unique_salt
     from epic_rag.engine.jobs import CompileRequest
-    from epic_rag.engine.tenancy import unique_salt
     from epic_rag.prompt import encode_text
     from epic_rag.store import ChunkKV, MemoryStore
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epic_rag.engine.layout import CpuAttnLayout, FlashAttnLayout, LayoutError, query_runs, slots_for
-from epic_rag.engine.rope import KeyRotator, RopeError
+from epic_rag.engine.link.layout import CpuAttnLayout, FlashAttnLayout, LayoutError, query_runs, slots_for
+from epic_rag.engine.link.rope import KeyRotator, RopeError
 from epic_rag.testing.varlen import ReferenceFlashKernels
 
 ROPES = {
@@ -270,7 +270,7 @@ def test_one_kernel_plan_for_several_requests_equals_each_ones_masked_attention(
 
 
 def test_run_plan_is_the_kernels_varlen_metadata_for_packed_requests():
-    from epic_rag.engine.layout import RunPlan
+    from epic_rag.engine.link.layout import RunPlan
 
     R1 = torch.cat([torch.arange(0, 3), torch.arange(40, 56)])  # request 1: blocks [3, 0, 5] (N=32)
     R2 = torch.tensor([5, 7])  # request 2: blocks [9]
@@ -289,7 +289,7 @@ def _amx_bf16() -> bool:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_probed_layout_learns_the_hand_coded_vec_packing(dtype):
-    from epic_rag.engine.layout import ProbedCpuAttnLayout
+    from epic_rag.engine.link.layout import ProbedCpuAttnLayout
 
     N, H, D = 32, 3, 64
     probed, known = ProbedCpuAttnLayout("vec"), CpuAttnLayout("vec")
@@ -305,7 +305,7 @@ def test_probed_layout_learns_the_hand_coded_vec_packing(dtype):
 
 @pytest.mark.skipif(not _amx_bf16(), reason="this CPU has no AMX tiles (vLLM packs bf16 for `amx` only there)")
 def test_amx_bf16_layout_is_probed_and_its_kernel_attention_equals_masked_attention():
-    from epic_rag.engine.layout import ProbedCpuAttnLayout
+    from epic_rag.engine.link.layout import ProbedCpuAttnLayout
 
     N, Hq, Hk, D, T = 32, 6, 2, 64, 100
     layout, attn = ProbedCpuAttnLayout("amx"), _FakeAttn(Hq, Hk, D)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from epic_rag.engine.support import LinkUnsupported, check_supported
+from epic_rag.engine.connector.support import LinkUnsupported, check_supported
 
 LAYERS, HKV, D, BLOCK = 4, 3, 64, 128  # SmolLM2-135M on CPU: 3 KV heads of 64, 128-token blocks (30 layers)
 
@@ -237,7 +237,7 @@ def test_the_vllm_attributes_the_checks_read_still_exist(path, cls, attrs):
 def test_pipeline_parallelism_is_refused_a_link_runs_every_layer_in_one_pass(tp, pp):
     from types import SimpleNamespace
 
-    from epic_rag.engine.support import check_parallelism
+    from epic_rag.engine.connector.support import check_parallelism
 
     with pytest.raises(LinkUnsupported, match=f"pipeline_parallel_size={pp}"):
         check_parallelism(SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp))

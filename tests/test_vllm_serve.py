@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from _tiny_serve import CHUNKS, serve_tiny
 
-from epic_rag.engine.tenancy import unique_salt
+from epic_rag.engine.connector.tenancy import unique_salt
 
 pytestmark = pytest.mark.slow  # starts vLLM's own OpenAI server processes
 

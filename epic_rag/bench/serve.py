@@ -186,7 +186,7 @@ def stop_server(proc) -> None:
 def _served(embedded: dict, s: ServeSettings, log_path: Path) -> dict:
     from openai import AsyncOpenAI, OpenAI
 
-    from ..engine.tenancy import unique_salt  # links in the default namespace, the compiles' (no salt)
+    from ..engine.connector.tenancy import unique_salt  # links in the default namespace, the compiles' (no salt)
 
     proc, url = start_server(embedded["model_dir"], s.max_model_len, {"store": "memory"}, log_path=log_path)
     try:

@@ -24,10 +24,10 @@ from ..policy import SINK_LEN, Policy
 from ..prompt import check_chunk_text, encode_text
 from ..store import ChunkKV, ChunkStore
 from ..types import Chunk, ChunkRef, PlacedChunk
+from .connector.tenancy import unique_salt
 from .jobs import CompileRequest, SpanRef
 from .runtime import Runtime
 from .stores import ChunkStores
-from .tenancy import unique_salt
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from ..store.checked import KeyCheckedStore
 from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Sampling, Segment
 from . import vllm_api
 from .chunks import ChunkResolver
+from .connector.tenancy import SEP, unique_salt
 from .jobs import LinkRequest
-from .link_memory import gpu_memory_share, workspace_tokens
+from .link.memory import gpu_memory_share, workspace_tokens
 from .request import LinkFailed, RequestRun, last_generation
 from .runtime import POLL_S, STALL_S, Runtime
 from .stores import ChunkStores, new_glue_store, register_local, unregister_local
-from .tenancy import SEP, unique_salt
 
 Request = RagRequest | str | Sequence[Segment] | PreparedRequest
 LINK_RETRIES = 1  # a request whose link failed is run again once, after its chunks were checked

@@ -18,8 +18,8 @@ from typing import Any
 
 from ..types import Delta
 from . import vllm_api
+from .connector.tenancy import unique_salt
 from .heap import TRIM_EVERY_S, HeapTrimmer
-from .tenancy import unique_salt
 
 log = logging.getLogger(__name__)
 

@@ -89,7 +89,7 @@ def new_llm_engine(
 ) -> Any:
     """vLLM's LLMEngine with EpicConnector as its KV connector (`extra`: its stores, see stores.py; link passes of
     `workspace_tokens` prompt tokens) and the worker extension mixed in, given `gpu_share` of the GPU's memory
-    (link_memory.py sizes both)."""
+    (link/memory.py sizes both)."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine

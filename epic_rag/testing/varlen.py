@@ -11,7 +11,7 @@ import torch
 
 
 class ReferenceFlashKernels:
-    """Implements epic_rag.engine.layout.FlashKernels: vLLM's reshape_and_cache_flash and
+    """Implements epic_rag.engine.link.layout.FlashKernels: vLLM's reshape_and_cache_flash and
     flash_attn_varlen_func (paged: block_table + seqused_k, causal=True)."""
 
     def __init__(self) -> None:

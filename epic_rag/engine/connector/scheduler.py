@@ -11,12 +11,12 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from ..policy import Policy, parse_policy
-from . import vllm_api
-from .connector_config import ConnectorConfig
-from .connector_meta import CaptureSpec, EpicMeta, EpicWorkerMeta, LoadSpec
+from ...policy import Policy, parse_policy
+from .. import vllm_api
+from ..jobs import CompileRequest, LinkRequest, epic_params
+from .config import ConnectorConfig
 from .finder import ChunkFinder
-from .jobs import CompileRequest, LinkRequest, epic_params
+from .meta import CaptureSpec, EpicMeta, EpicWorkerMeta, LoadSpec
 
 log = logging.getLogger(__name__)
 

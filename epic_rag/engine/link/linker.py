@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..policy import Policy
-from . import vllm_api
-from .jobs import LinkJob
+from ...policy import Policy
+from .. import vllm_api
+from ..jobs import LinkJob
 from .layout import KVLayout, host_to_device, slots_for
 from .rope import KeyRotator
 from .stage import FillPlan, make_filler

@@ -14,18 +14,19 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from ..keys import rank_key
-from ..policy import SINK_LEN
-from ..redact import redact
-from ..store import ChunkKV
-from . import rope, vllm_api
-from .budget import HostBudget, link_budget
-from .connector_config import ConnectorConfig
-from .connector_meta import CaptureSpec, EpicMeta, EpicWorkerMeta, LoadSpec
-from .jobs import Capture, LinkJob, LinkSpan
-from .layout import layout_for
-from .linker import Linker, LinkLoad, LinkPass
-from .stores import ChunkStores, worker_stores
+from ...keys import rank_key
+from ...policy import SINK_LEN
+from ...redact import redact
+from ...store import ChunkKV
+from .. import vllm_api
+from ..jobs import Capture, LinkJob, LinkSpan
+from ..link import rope
+from ..link.budget import HostBudget, link_budget
+from ..link.layout import layout_for
+from ..link.linker import Linker, LinkLoad, LinkPass
+from ..stores import ChunkStores, worker_stores
+from .config import ConnectorConfig
+from .meta import CaptureSpec, EpicMeta, EpicWorkerMeta, LoadSpec
 from .support import check_supported
 
 log = logging.getLogger(__name__)

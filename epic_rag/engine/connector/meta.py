@@ -9,7 +9,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from .jobs import CompileRequest, LinkRequest
+from ..jobs import CompileRequest, LinkRequest
 
 
 @dataclass(slots=True)

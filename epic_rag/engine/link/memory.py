@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import vllm_api
+from .. import vllm_api
 from .linker import WORKSPACE_PROMPTS
 from .stage import TritonFiller
 
@@ -44,7 +44,7 @@ def gpu_memory_share(
     vLLM has sized its KV cache (its staging ring, and the store's gpu tier), so it is counted inside the
     configured share, not beside it. On CPU the configured value (it does not size the KV cache there:
     kv_cache_gib does)."""
-    from ..store.spec import gpu_tier_bytes
+    from ...store.spec import gpu_tier_bytes
 
     if total_bytes is None:
         if not torch.cuda.is_available():

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import vllm_api
+from .. import vllm_api
 
 # kv_cache_dtype values that store K/V as plain floats ("auto": the model's dtype). Everything else vLLM
 # offers (fp8*, int8/int4 per token-head, nvfp4*, turboquant*, ultraquant*) is quantized with scales.

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..keys import DEFAULT_TENANT, tenant_id
+from ...keys import DEFAULT_TENANT, tenant_id
 
 SEP = ":"  # cache_salt = "<tenant namespace>:<anything>" (vLLM refuses salts holding "/", "@", "\\")
 

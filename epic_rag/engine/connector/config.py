@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..keys import DEFAULT_TENANT
-from ..policy import Policy, parse_policy
-from .jobs import MAX_SPANS
+from ...keys import DEFAULT_TENANT
+from ...policy import Policy, parse_policy
+from ..jobs import MAX_SPANS
 from .tenancy import Tenancy
 
 
@@ -30,7 +30,7 @@ class ConnectorConfig:
         local: set by an EpicEngine whose engine core runs in its process: the handle of its own store objects
             (stores.register_local), used instead of `store`; never set by hand.
         workspace_tokens: prompt tokens one batched link pass holds (sizes the linker's buffers); None: twice
-            `max_model_len` (link_memory.workspace_tokens).
+            `max_model_len` (link/memory.py: workspace_tokens).
         async_links: link off the decode path (a share of each step, while the request waits); always off under
             tensor parallelism.
         link_step_share: at most this many times a step's forward time is spent linking in that step (then at

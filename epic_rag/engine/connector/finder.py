@@ -26,8 +26,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..policy import SINK_LEN
-from .jobs import SpanRef
+from ...policy import SINK_LEN
+from ..jobs import SpanRef
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """EpicConnector: LegoLink as an out-of-tree vLLM V1 KV connector, plus the worker extension.
 
 The class vLLM loads (`kv_connector_module_path` "epic_rag.engine.connector"). Its hooks live by side:
-connector_scheduler.py and connector_worker.py; what crosses between them, connector_meta.py; its options
-(`kv_connector_extra_config`), connector_config.py.
+scheduler.py and worker.py; what crosses between them, meta.py; its options (`kv_connector_extra_config`),
+config.py.
 
 vLLM builds one instance per role. Scheduler-side hooks (get_num_new_matched_tokens,
 update_state_after_alloc, build_connector_meta, update_connector_output, request_finished) run in the
@@ -39,12 +39,12 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-from . import vllm_api
-from .connector_config import ConnectorConfig
-from .connector_scheduler import SchedulerSide
-from .connector_worker import WorkerSide
-from .link_memory import workspace_tokens
+from .. import vllm_api
+from ..link.memory import workspace_tokens
+from .config import ConnectorConfig
+from .scheduler import SchedulerSide
 from .support import check_parallelism
+from .worker import WorkerSide
 
 _INSTANCES: weakref.WeakSet = weakref.WeakSet()
 
@@ -74,7 +74,7 @@ class EpicConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
         config = ConnectorConfig.from_extra(self.extra)
-        # prompt tokens one batched link pass holds (sizes the linker's buffers; link_memory.gpu_memory_share
+        # prompt tokens one batched link pass holds (sizes the linker's buffers; link/memory.py: gpu_memory_share
         # counts them)
         self.workspace_tokens = workspace_tokens(config.workspace_tokens, vllm_config.model_config.max_model_len)
         # Links load asynchronously, a share of each step (module docstring). Not under tensor parallelism:

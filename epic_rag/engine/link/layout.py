@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from . import vllm_api
+from .. import vllm_api
 
 
 class LayoutError(RuntimeError):
@@ -486,7 +486,7 @@ class FlashAttnLayout(KVLayout):
         layout reads, this layout's writes must be what its varlen kernel attends over (against the reference
         kernel written from FlashAttention's contract). Catches an ABI, stride or layout surprise at start-up."""
         super().self_check(like)
-        from ..testing.varlen import ReferenceFlashKernels
+        from ...testing.varlen import ReferenceFlashKernels
 
         _, H, N, C = like.shape
         D = C // 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import vllm_api
+from .. import vllm_api
 
 # vLLM rotary classes with a static per-position table (delta rotation is exact). Dynamic-NTK,
 # MRoPE, LongRoPE (switches tables with length) and dual-chunk variants are refused.
