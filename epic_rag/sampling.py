@@ -1,4 +1,5 @@
-"""Sampling options beyond max_tokens/temperature/stop/policy: checked here, passed to vLLM's SamplingParams.
+"""Sampling options beyond max_tokens/temperature/stop/policy: checked here, passed to vLLM's SamplingParams
+(cache_salt: to the request's prompt, under the engine's tenant).
 
 Every option is named in SAMPLING_OPTIONS; anything else is an error that names it (nothing is dropped).
 """
@@ -30,7 +31,9 @@ SAMPLING_OPTIONS = (
     "min_tokens",
     "ignore_eos",
     "skip_special_tokens",
+    "cache_salt",
 )
+MAX_SALT = 256
 
 
 def _number(name: str, v: Any) -> float:
@@ -102,6 +105,9 @@ def check_sampling_options(options: Mapping[str, Any]) -> dict[str, Any]:
         elif name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be true or false, got {v!r}")
+        elif name == "cache_salt":  # vLLM refuses salts with these characters; the engine adds its tenant
+            if not isinstance(v, str) or not 0 < len(v) <= MAX_SALT or any(c in v for c in "/@\\"):
+                raise ValueError(f"cache_salt must be 1-{MAX_SALT} characters without '/', '@' or '\\', got {v!r}")
         elif name == "response_format":
             v = check_response_format(v)
             if v is None:

@@ -85,6 +85,10 @@ class Sampling(TypedDict, total=False):
     min_tokens: int  # at least this many tokens before EOS or a stop string may end the answer
     ignore_eos: bool  # keep generating past EOS up to max_tokens (benchmarks: fixed-length answers)
     skip_special_tokens: bool  # default True: special tokens are left out of the text
+    # vLLM's prefix-cache namespace (under the engine's tenant): by default all of a tenant's requests share one,
+    # so exact blocks (template, system prompt, exact repeats) and a link's blocks (for the same link: a
+    # follow-up turn) are reused; requests with another salt reuse nothing of them. `full` never reuses.
+    cache_salt: str
 
 
 @dataclass(slots=True)
@@ -141,14 +145,18 @@ class Generation:
         ttft_s: time to the first token, from submission.
         total_s: time to the last token.
         prompt_tokens: tokens in the prompt.
-        linked_tokens: prompt tokens whose KV came from compiled chunks.
+        linked_tokens: prompt tokens not recomputed: their KV came from compiled chunks or from vLLM's prefix
+            cache (prefix_cached_tokens of them); linked_tokens + recomputed_tokens == prompt_tokens.
         recomputed_tokens: prompt tokens the linker recomputed (chunk heads, glue, blend picks).
         chunk_hits: chunks found compiled.
         chunk_misses: chunks compiled for this request.
         policy: the link policy it ran under.
         finish_reason: vLLM's ("stop", "length", ...).
         chunk_keys: the keys of its chunks, in prompt order.
-        prefix_cached_tokens: `prefix` policy: prompt tokens served by vLLM's exact prefix cache.
+        prefix_cached_tokens: prompt tokens served by vLLM's prefix cache: exact blocks (the template and
+            system prompt before the first chunk, a `prefix` policy's repeats) or, for a link, the blocks of an
+            earlier request that linked the same chunks the same way (a follow-up turn; never exact blocks'
+            stand-ins, see connector/scheduler.py on_new_request).
         logprobs: one TokenLogprob per generated token, when `logprobs` was requested.
     """
 

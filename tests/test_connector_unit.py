@@ -16,7 +16,7 @@ from epic_rag.engine.connector.config import ConnectorConfig
 from epic_rag.engine.connector.finder import ANCHOR, ChunkFinder
 from epic_rag.engine.connector.support import LinkUnsupported
 from epic_rag.engine.connector.tenancy import Tenancy
-from epic_rag.engine.jobs import MAX_SPANS, LinkRequest, SpanRef
+from epic_rag.engine.jobs import LinkRequest, SpanRef
 from epic_rag.engine.link.budget import HostBudget
 from epic_rag.engine.stores import ChunkStores
 from epic_rag.keys import tenant_id
@@ -66,9 +66,7 @@ def _stores(*records: ChunkKV) -> ChunkStores:
 
 def _scheduler(find: str | None = None, **extra) -> conn.EpicConnector:
     c = object.__new__(conn.EpicConnector)  # the scheduler-side state, without a vLLM config
-    c._results, c._active, c._finished, c._parsed = {}, {}, [], {}
-    c.find_policy, c.finder = (parse_policy(find) if find else None), ChunkFinder()
-    c.tenancy, c.max_spans = Tenancy.from_extra(extra), extra.get("max_spans", MAX_SPANS)
+    c._init_scheduler(ConnectorConfig.from_extra({**extra, "find_chunks": find} if find else extra))
     c.async_links = False
     return c
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import uuid
 
 import pytest
 import torch
@@ -19,6 +20,11 @@ CHUNKS = [
     "    def push(self, x):\n        self.items.append(x)\n",
 ]
 QUESTION = "which function subtracts?"
+
+
+def _own() -> str:
+    """A cache_salt of its own: the request reuses nothing from vLLM's prefix cache (it links again)."""
+    return uuid.uuid4().hex
 
 
 def _req(chunks=CHUNKS):
@@ -138,8 +144,8 @@ def test_one_compile_without_a_policy_serves_every_policy_with_no_misses(tiny_en
 
 
 def test_cacheblend_recomputes_a_fraction_of_chunk_tokens(tiny_engine):
-    g0 = tiny_engine.generate(_req(), max_tokens=4, policy="naive")
-    g15 = tiny_engine.generate(_req(), max_tokens=4, policy="cacheblend-15")
+    g0 = tiny_engine.generate(_req(), max_tokens=4, policy="naive", cache_salt=_own())
+    g15 = tiny_engine.generate(_req(), max_tokens=4, policy="cacheblend-15", cache_salt=_own())
     g100 = tiny_engine.generate(_req(), max_tokens=16, policy="cacheblend-100")
     span_tokens = sum(r.num_tokens + SINK_LEN for r in tiny_engine.compile(CHUNKS))  # sinks are candidates too
     assert g15.recomputed_tokens - g0.recomputed_tokens == round(0.15 * span_tokens)
@@ -407,10 +413,11 @@ MIXED = [
 
 @pytest.mark.parametrize("batch", [BATCH, MIXED], ids=["legolink-16", "mixed-policies"])
 def test_requests_linked_in_one_step_are_recomputed_in_one_batch_and_equal_one_by_one(tiny_engine, batch):
-    one_by_one = [tiny_engine.generate(_req(c), max_tokens=12, policy=p) for c, p in batch]  # compiles too
+    one_by_one = [tiny_engine.generate(_req(c), max_tokens=12, policy=p, cache_salt=_own()) for c, p in batch]
     before = dict(_linker().batch_sizes)
-    got = _in_one_step(
-        tiny_engine, [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=12, policy=p) for c, p in batch]
+    got = _in_one_step(  # salts of their own: linked again, not found in vLLM's prefix cache
+        tiny_engine,
+        [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=12, policy=p, cache_salt=_own()) for c, p in batch],
     )
     sizes = _linker().batch_sizes
     assert sizes[len(batch)] == before.get(len(batch), 0) + 1, dict(sizes)  # one pass linked all of them
@@ -431,11 +438,12 @@ def test_one_bad_job_in_a_batch_fails_only_its_request(tiny_engine, monkeypatch,
         return initial_recompute(self)[:0] if self.policy.name == "legolink-7" else initial_recompute(self)
 
     batch = [(CHUNKS, "legolink-16"), (CHUNKS[::-1], "legolink-7"), (CHUNKS[1:], "cacheblend-15")]
-    refs = [tiny_engine.generate(_req(c), max_tokens=8, policy=p) for c, p in batch]
+    refs = [tiny_engine.generate(_req(c), max_tokens=8, policy=p, cache_salt=_own()) for c, p in batch]
     monkeypatch.setattr(LinkJob, "initial_recompute", drops_uncached_tokens)
     before = dict(_linker().batch_sizes)
-    got = _in_one_step(
-        tiny_engine, [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=8, policy=p) for c, p in batch]
+    got = _in_one_step(  # salts of their own: linked again, not found in vLLM's prefix cache
+        tiny_engine,
+        [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=8, policy=p, cache_salt=_own()) for c, p in batch],
     )
     assert _linker().batch_sizes[2] == before.get(2, 0) + 1  # the two good ones still linked together
     assert isinstance(got[1], RuntimeError) and "finish reason 'error'" in str(got[1])
@@ -453,8 +461,9 @@ def test_a_fault_in_the_batched_pass_fails_every_request_of_the_batch_and_the_en
 
     batch = [(CHUNKS, "legolink-16"), (CHUNKS[::-1], "naive")]
     monkeypatch.setattr(vllm_api, "decoder_layer_forward", broken)
-    got = _in_one_step(
-        tiny_engine, [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=4, policy=p) for c, p in batch]
+    got = _in_one_step(  # salts of their own: linked again, not found in vLLM's prefix cache
+        tiny_engine,
+        [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=4, policy=p, cache_salt=_own()) for c, p in batch],
     )
     for g in got:
         assert isinstance(g, RuntimeError) and "finish reason 'error'" in str(g), g

@@ -15,6 +15,7 @@ import torch
 
 from epic_rag.engine.connector import epic as conn
 from epic_rag.engine.connector import meta as cm
+from epic_rag.engine.connector.config import ConnectorConfig
 from epic_rag.engine.connector.finder import ANCHOR, PER_ANCHOR, ChunkFinder
 from epic_rag.engine.connector.tenancy import Tenancy, namespace_of, unique_salt
 from epic_rag.engine.jobs import MAX_SPANS, Capture, CompileRequest, LinkRequest, SpanRef
@@ -197,10 +198,8 @@ def test_malformed_tenancy_options_refuse_to_start(extra, why):
 
 
 def _scheduler(**extra) -> conn.EpicConnector:
-    c = object.__new__(conn.EpicConnector)
-    c._results, c._active, c._finished, c._parsed = {}, {}, [], {}
-    c.find_policy, c.finder = parse_policy("legolink-0"), ChunkFinder()
-    c.tenancy, c.max_spans = Tenancy.from_extra(extra), extra.get("max_spans", MAX_SPANS)
+    c = object.__new__(conn.EpicConnector)  # the scheduler-side state, without a vLLM config
+    c._init_scheduler(ConnectorConfig.from_extra({"find_chunks": "legolink-0", **extra}))
     c.async_links = False
     return c
 

@@ -11,6 +11,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import uuid
 from functools import lru_cache
 from pathlib import Path
 
@@ -80,6 +81,13 @@ def table(columns: list[str], rows: list[list]) -> list[str]:
 
 
 # ---------------------------------------------------------------------- statistics
+def no_reuse(policy: str) -> dict:
+    """Keywords that keep a timed request from reusing an earlier request's blocks through vLLM's prefix cache
+    (a cache_salt of its own): what is timed is the link, not a cache hit. `prefix` keeps the engine's shared
+    salt: exact prefix caching is what it measures."""
+    return {} if policy == "prefix" else {"cache_salt": uuid.uuid4().hex}
+
+
 def median(xs: list[float]) -> float:
     """Median; NaN for no samples."""
     return statistics.median(xs) if xs else float("nan")

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..types import Delta, Generation, RagRequest
-from .common import command_line, corpus_chunks, machine, percentile, write
+from .common import command_line, corpus_chunks, machine, no_reuse, percentile, write
 from .latency import LOAD_POLICIES, QUESTION
 
 REFERENCES = ("full", "cacheblend-15")  # the summary's ratios are to these (its vs_<reference> columns)
@@ -323,6 +323,7 @@ async def _one(engine, policy: str, chunks: list[str], at: float, start: float, 
             policy=policy,
             ignore_eos=True,
             skip_special_tokens=False,
+            **no_reuse(policy),
         )
         times, counts, gen = [], [], None
         async for ev in engine.astream_events(prep):

@@ -24,7 +24,7 @@ from ..policy import SINK_LEN, Policy
 from ..prompt import check_chunk_text, encode_text
 from ..store import ChunkKV, ChunkStore
 from ..types import Chunk, ChunkRef, PlacedChunk
-from .connector.tenancy import unique_salt
+from .connector.tenancy import shared_salt
 from .jobs import CompileRequest, SpanRef
 from .runtime import Runtime
 from .stores import ChunkStores
@@ -278,7 +278,7 @@ class ChunkResolver:
                 req_id = self.runtime.submit_tokens(
                     lead + tokens,
                     event_sink(ev),
-                    salt=unique_salt(self.tenant),
+                    salt=shared_salt(self.tenant),  # the lead's exact blocks are shared (worker.py captures them)
                     max_tokens=2,
                     min_tokens=2,
                     ignore_eos=True,

@@ -22,7 +22,7 @@ from ..store.checked import KeyCheckedStore
 from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Sampling, Segment
 from . import vllm_api
 from .chunks import ChunkResolver
-from .connector.tenancy import SEP, unique_salt
+from .connector.tenancy import shared_salt, unique_salt
 from .jobs import LinkRequest
 from .link.memory import gpu_memory_share, workspace_tokens
 from .request import LinkFailed, RequestRun, last_generation
@@ -176,8 +176,13 @@ class EpicEngine:
             hits, keys = len(prep.chunks) - misses, [s.key for s in spans if not s.exact]
             link = LinkRequest(pol, self.chunks.sink_token, tuple(spans), on_missing="fail")
             kv_params = link.to_params()
-        # linked KV never reused as exact; the salt's namespace is this engine's tenant (tenancy.py)
-        salt = f"{self.chunks.tenant}{SEP}epic-prefix" if pol.kind == "prefix" else unique_salt(self.chunks.tenant)
+        # One salt for the tenant's requests: vLLM's prefix cache serves exact blocks (the template before the
+        # first chunk, a `prefix` repeat) and a link's blocks only to a request linking the same chunks the same
+        # way (connector/scheduler.py on_new_request); `full` reuses nothing (the baseline).
+        options = dict(prep.options)
+        salt = options.pop("cache_salt", None)
+        tenant = self.chunks.tenant
+        salt = unique_salt(tenant) if pol.kind == "full" else shared_salt(tenant, salt or "shared")
         req_id = self.runtime.submit_tokens(
             prep.token_ids,
             sink,
@@ -186,7 +191,7 @@ class EpicEngine:
             salt=salt,
             kv_params=kv_params,
             stop=prep.stop,
-            **prep.options,
+            **options,
         )
         return RequestRun(self.runtime, req_id, prep, link, t0, hits, misses, keys, on_missing=self.chunks.forget)
 

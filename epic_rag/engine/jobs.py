@@ -27,6 +27,7 @@ that outlived its first step. A link names at most MAX_SPANS spans (kv_connector
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,9 +83,28 @@ class LinkRequest:
         c, spans = self.claimed(num_prompt)
         return c, LinkRequest(self.policy, self.sink, spans, self.on_missing)
 
+    def approximate_from(self) -> int | None:
+        """The first prompt position whose KV the link may make approximate: the first chunk span's start
+        (before it, exact spans and computed tokens see exact KV only); None when every span is exact."""
+        return min((s.start for s in self.spans if not s.exact), default=None)
+
+    def scope(self) -> bytes:
+        """The prefix-cache scope of the blocks this link fills from approximate_from() on: the policy, the
+        sink and the spans (their keys are content-derived: model, tokenizer, KV dtype, tenant, tokens). A later
+        request linking the same records at the same places under the same policy (a follow-up turn over the
+        same chunks) finds them; no exact prompt and no other link does."""
+        return json.dumps(["epic-link", self.policy.name, self.sink, self._span_rows()]).encode()
+
+    def _span_rows(self) -> list[list]:
+        return [[s.key, s.offset, s.start, s.n, s.exact] for s in self.spans]
+
     def to_params(self) -> dict[str, Any]:
-        spans = [[s.key, s.offset, s.start, s.n, s.exact] for s in self.spans]
-        link = {"policy": self.policy.name, "sink": self.sink, "spans": spans, "on_missing": self.on_missing}
+        link = {
+            "policy": self.policy.name,
+            "sink": self.sink,
+            "spans": self._span_rows(),
+            "on_missing": self.on_missing,
+        }
         return {"epic": {"link": link}}
 
     @classmethod

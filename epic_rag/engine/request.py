@@ -95,11 +95,20 @@ class RequestRun:
         out = self.outcome or {}
         if out.get("missing"):
             self.on_missing(out["missing"])
+        hit = self.prefix_hit
+        if hit >= claim:  # vLLM's prefix cache held the whole claim (a follow-up turn): nothing was linked
+            return n - hit
         if isinstance(out.get("recomputed"), int):
             linked = out["recomputed"]
         else:
             linked = planned_recompute(claim, [(s.start, s.n, s.exact) for s in spans], self.link.policy)
         return linked + (n - claim)
+
+    @property
+    def prefix_hit(self) -> int:
+        """A link's prompt tokens from vLLM's prefix cache (the scheduler side's count; see request_finished)."""
+        hit = (self.outcome or {}).get("prefix_hit", 0)
+        return hit if isinstance(hit, int) else 0
 
     def result(self) -> Generation:
         n, link = len(self.prep.token_ids), self.link
@@ -126,6 +135,6 @@ class RequestRun:
             policy=self.prep.policy.name,
             finish_reason=self.finish,
             chunk_keys=self.chunk_keys,
-            prefix_cached_tokens=0 if link is not None else (self.cached or 0),
+            prefix_cached_tokens=self.prefix_hit if link is not None else (self.cached or 0),
             logprobs=self.logprobs,
         )

@@ -25,6 +25,9 @@ Internals (read from vLLM 0.32.0's source; nothing guarantees them):
   `kv_cache_dtype`, `_k_scale`, `_v_scale` and `impl.vllm_flash_attn_version` (flash_kernels);
 - the scheduler's `kv_cache_manager.get_blocks(req_id).get_block_ids()` and `SchedulerOutput`'s
   `scheduled_new_reqs`, `scheduled_cached_reqs`, `num_scheduled_tokens` (scheduled_steps, block_ids_of);
+- a request's prefix-cache hashes: `Request.block_hashes` (one per full block of `hash_block_size` tokens,
+  chained over the prefix) and `Request._block_hasher`, `KVCacheConfig.hash_block_size`, and the scheduler
+  calling the connector's `on_new_request` before the request's first look-up (scope_block_hashes);
 - `get_kv_transfer_group()` and `worker.model_runner.get_model()` (worker_model, kv_connector); the model
   runner (V1: its `initialize_kv_cache`) or its `ActiveKVConnector` (Model Runner V2, CUDA's default) calling
   the connector's `register_kv_caches` (calling_model_runner, how the connector finds the model under `vllm
@@ -333,6 +336,37 @@ def scheduled_steps(scheduler_output) -> list[tuple[str, int]]:
     steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
     cached = scheduler_output.scheduled_cached_reqs
     return steps + list(zip(cached.req_ids, cached.num_computed_tokens))
+
+
+def hash_block_size(kv_cache_config, block_size: int) -> int:
+    """Tokens per entry of a request's `block_hashes`: the KV cache config's `hash_block_size` (set by the engine
+    core before the scheduler's requests arrive), the block size where it is unset (one KV cache group)."""
+    return int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
+
+
+def scope_block_hashes(request, first: int, scope: bytes) -> None:
+    """Move a request's prefix-cache hashes from hash block `first` on into `scope`: those blocks are then cached
+    and looked up under hashes that no exact prompt has, and the blocks computed after them (their hashes chain
+    from these) too. vLLM's `Request.block_hashes` (hashes of the full blocks so far, each chained over the whole
+    token prefix) and its `_block_hasher` (extends them as tokens are added) are rewritten; called before the
+    request's first prefix-cache look-up (the connector's `on_new_request`)."""
+    import hashlib
+
+    def scoped(h: bytes) -> bytes:
+        return hashlib.sha256(scope + bytes(h)).digest()
+
+    hashes = request.block_hashes
+    for j in range(first, len(hashes)):
+        hashes[j] = scoped(hashes[j])
+    inner = request._block_hasher
+    if inner is None:  # no prefix caching: nothing is cached
+        return
+
+    def hasher(req) -> list[bytes]:  # holds no reference to the request (vLLM avoids that cycle too)
+        n = len(req.block_hashes)
+        return [scoped(h) if n + i >= first else h for i, h in enumerate(inner(req))]
+
+    request._block_hasher = hasher
 
 
 def block_ids_of(kv_cache_manager, req_id: str) -> list[int]:

@@ -56,6 +56,7 @@ def pending() -> int:
         len(c._active)
         + len(c._results)
         + len(c._parsed)
+        + len(c._prefix_hits)
         + len(c._captures)
         + len(c._step_results)
         + len(c._queue)

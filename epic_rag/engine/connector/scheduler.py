@@ -40,6 +40,7 @@ class SchedulerSide:
         self._active: dict[str, _ReqState] = {}
         self._results: dict[str, dict[str, Any]] = {}  # worker outcomes (and refusals) until the request ends
         self._parsed: dict[str, tuple[LinkRequest | None, CompileRequest | None]] = {}
+        self._prefix_hits: dict[str, int] = {}  # links: prompt tokens vLLM's prefix cache provided
         # Requests that name no spans have compiled chunks found in their tokens and linked under this policy
         # ("find_chunks"; unset: they are not looked at).
         self.find_policy = config.find_policy
@@ -107,6 +108,19 @@ class SchedulerSide:
         spans = self.finder.find(prompt, tenant)
         return LinkRequest(policy, None, tuple(spans)) if spans else None
 
+    def on_new_request(self, request) -> None:
+        """Scheduler, when a request arrives, before its first prefix-cache look-up: a link's blocks from its
+        first chunk span on are moved out of vLLM's exact prefix cache into the link's own scope
+        (LinkRequest.scope, vllm_api.scope_block_hashes). Linked KV is approximate: cached under the prompt's
+        exact hashes, vLLM would serve it to any later request of the tenant with that prefix, one asking for
+        exact KV included. In its scope it serves only a request that links the same chunks the same way (a
+        follow-up turn); the exact head before the first chunk (template, system prompt) stays shared."""
+        link, _ = self._parse(request)
+        first = link.approximate_from() if link is not None else None
+        if first is not None:
+            hbs = vllm_api.hash_block_size(self._kv_cache_config, self.block_size)
+            vllm_api.scope_block_hashes(request, first // hbs, link.scope())
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Scheduler, when a waiting request is considered: how many prompt tokens beyond
         `num_computed_tokens` (vLLM's own prefix-cache hits) this connector provides, and whether it loads
@@ -114,6 +128,7 @@ class SchedulerSide:
         link, _ = self._parse(request)
         if link is None:
             return 0, False
+        self._prefix_hits[request.request_id] = num_computed_tokens  # the latest look-up's, reported at the end
         n = max(link.claim(len(request.prompt_token_ids)) - num_computed_tokens, 0)
         return n, self.async_links and n > 0
 
@@ -176,9 +191,15 @@ class SchedulerSide:
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, when a request finishes or is aborted: forget it, returning the worker's outcome in
         its kv_transfer_params (a link's counts arrive one step after the link: a request that finishes in
-        its first step has none). Its blocks are freed at once (nothing is saved asynchronously)."""
-        self._parsed.pop(request.request_id, None)
-        if self._active.pop(request.request_id, None) is not None:
-            self._finished.append(request.request_id)
-        result = self._results.pop(request.request_id, None)
+        its first step has none) and, for a link, the prompt tokens vLLM's prefix cache provided ("prefix_hit":
+        its exact head, or a follow-up's blocks in the link's scope). Its blocks are freed at once (nothing is
+        saved asynchronously)."""
+        req_id = request.request_id
+        self._parsed.pop(req_id, None)
+        if self._active.pop(req_id, None) is not None:
+            self._finished.append(req_id)
+        result = self._results.pop(req_id, None)
+        hit = self._prefix_hits.pop(req_id, 0)
+        if hit:
+            result = {**(result or {}), "prefix_hit": hit}
         return False, ({"epic": result} if result is not None else None)

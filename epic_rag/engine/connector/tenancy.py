@@ -7,8 +7,9 @@ exactly as a key nobody compiled does. A request's namespace is the part of its 
 first ":" (all of it when there is none); a request without a salt, or with an empty part, is in the
 server's default namespace (kv_connector_extra_config "tenant", default ""). One secret per tenant (a gateway
 setting cache_salt from the caller's API key does it) thus isolates both vLLM's own prefix cache and the chunk
-store, and "<tenant>:<unique>" keeps a tenant's requests out of each other's prefix-cache hits (linked KV is
-not exact) while they share the tenant's chunks.
+store. Within a tenant, requests may share one salt: linked KV is never cached as exact blocks (a link's blocks
+are scoped to the link, connector/scheduler.py on_new_request); "<tenant>:<unique>" keeps a request out of every
+prefix-cache hit (what `full` does, a baseline that reuses nothing).
 
 Server options (kv_connector_extra_config), checked at start-up:
 - "tenant": the default namespace (a string, default "").
@@ -34,6 +35,13 @@ def namespace_of(cache_salt: str | None, default: str = DEFAULT_TENANT) -> str:
     if not cache_salt:
         return default
     return cache_salt.partition(SEP)[0] or default
+
+
+def shared_salt(namespace: str = DEFAULT_TENANT, name: str = "shared") -> str:
+    """A cache_salt the requests of a tenant that use it share (`name`: "shared", what an EpicEngine's requests
+    use unless they name another): exact blocks (templates, system prompts, compile leads, exact repeats) and a
+    link's blocks in its own scope are reused between them."""
+    return f"{namespace}{SEP}{name}"
 
 
 def unique_salt(namespace: str = DEFAULT_TENANT) -> str:

@@ -348,9 +348,12 @@ class WorkerSide:
         for spec in meta.captures:
             try:
                 cap = self._capture_buffer(spec)
-                if cap.filled_to != spec.start:
+                # A first step that starts past 0 had its head from vLLM's prefix cache: exact KV of the same
+                # tokens (a compile is never scoped as a link is), captured from those pages too.
+                start = 0 if cap.filled_to == 0 else spec.start
+                if cap.filled_to != spec.start and start != 0:
                     raise RuntimeError(f"capture of {spec.req_id} resumed at {spec.start}, not {cap.filled_to}")
-                for first, stop, at in cap.kept(spec.start, spec.end):
+                for first, stop, at in cap.kept(start, spec.end):
                     self.linker.capture(spec.block_ids, first, stop, cap.k, cap.v, at)
                 cap.filled_to = spec.end
                 if spec.end == spec.num_prompt:
