@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from epic_rag.engine.jobs import LinkJob, LinkSpan
 from epic_rag.engine.link import kernels, linker, stage
@@ -18,6 +17,7 @@ from epic_rag.engine.link.layout import FlashAttnLayout, LayoutError, canonical_
 from epic_rag.engine.link.rope import KeyRotator
 from epic_rag.policy import parse_policy
 from epic_rag.store import ChunkKV
+from epic_rag.testing.dispatch_count import OpCounter
 from epic_rag.testing.stub_model import RotaryEmbedding, StubModel
 from epic_rag.testing.varlen import ReferenceFlashKernels
 
@@ -218,34 +218,9 @@ class _StubKernels:
         self._launch("varlen")
 
 
-class _Counter(TorchDispatchMode):
-    """Counts dispatched ops, and host synchronisations: ops that read a device value on the host, plus
-    tolist()/cpu()/numpy() calls (they do not dispatch on CPU tensors); kernel launches are added by name."""
-
-    SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item")
-    # metadata only on a GPU: no kernel launch (empty allocates from the caching allocator; a same-dtype .to
-    # and contiguous() of a contiguous tensor return it)
-    NO_LAUNCH = ("view", "reshape", "transpose", "split", "select", "slice", "as_strided", "permute", "expand")
-    NO_LAUNCH += ("unsqueeze", "squeeze", "alias", "detach", "lift_fresh", "empty", "to.dtype", "contiguous", "t.")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops, self.syncs, self.paused = [], [], False
-
-    def launches(self) -> list[str]:
-        return [op for op in self.ops if not any(f"aten.{n}" in op for n in self.NO_LAUNCH)]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused:
-            self.ops.append(str(func))
-            if any(s in str(func) for s in self.SYNC_OPS):
-                self.syncs.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _counted(monkeypatch, ln, p):
     """Ops and syncs of advance() over every layer, the stub layers' own ops (the model's) left out."""
-    counter = _Counter()
+    counter = OpCounter()
     for name in ("tolist", "cpu", "numpy"):
         orig = getattr(torch.Tensor, name)
 

@@ -98,6 +98,7 @@ class WorkerSide:
             workspace_tokens=self.workspace_tokens,
             reduce=vllm_api.tp_all_reduce if tp else None,
             agree=vllm_api.tp_any if tp else None,
+            layer_kernels=vllm_api.link_kernels(layers, self._vllm_config),
         )
         self.linker = linker
         self._budget = link_budget(cache.device, self.link_step_share)

@@ -235,6 +235,10 @@ class Linker:
     agree: Callable[[list[bool]], list[bool]] | None = None
     # The page filler: the fused kernel (True), the torch path (False), or chosen by the layout and device.
     fused: bool | None = None
+    # vLLM's C/CUDA kernels for the layers' eager calls during a pass (vllm_api.link_kernels: under
+    # torch.compile the layers' ops are the native ones, one PyTorch kernel each outside Inductor), switched
+    # back after it; none switched by default (a model that is not vLLM's)
+    layer_kernels: vllm_api.LayerKernels = field(default_factory=vllm_api.LayerKernels)
     # requests per batched recompute pass -> passes run (bounded: at most max_num_seqs sizes)
     batch_sizes: Counter = field(init=False, default_factory=Counter)
 
@@ -312,15 +316,17 @@ class Linker:
         """Run the pass's next decoder layers, all of them, or while `more()` (asked after each layer) says so
         (at least one layer a call). True once every layer has run: its requests' pages are then filled (on a
         GPU: the work is queued on the current stream, ahead of the next forward). An exception leaves the
-        pages of every request of the pass unfilled or partly filled: the caller fails them all."""
+        pages of every request of the pass unfilled or partly filled: the caller fails them all. The decoder
+        layers run vLLM's C/CUDA kernels meanwhile (vllm_api.link_kernels), the previous choice restored after."""
         L = len(self.layers)
-        while p.layer < L:
-            self._layer(p, p.layer)
-            p.layer += 1
-            if p.layer == L and p.probing:  # query-<r>'s probe pass is done: its main pass follows
-                self._main_pass(p)
-            if more is not None and not more():
-                break
+        with self.layer_kernels.active():  # vLLM's own kernels in the layers, whatever the compile mode
+            while p.layer < L:
+                self._layer(p, p.layer)
+                p.layer += 1
+                if p.layer == L and p.probing:  # query-<r>'s probe pass is done: its main pass follows
+                    self._main_pass(p)
+                if more is not None and not more():
+                    break
         if p.layer < L:
             return False
         for s in p.seqs:
