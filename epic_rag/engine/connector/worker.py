@@ -72,7 +72,9 @@ class WorkerSide:
         Refuses every configuration the linker does not handle (support.check_supported: quantized KV,
         soft-capping, ALiBi, sinks, sliding windows, per-layer RoPE or head sizes, split kernel blocks, ...),
         then binds the vLLM model, picks the KV layout and self-checks it, builds the key rotator and checks
-        it numerically against the model's own RoPE, and opens the stores; any failure refuses to serve."""
+        it numerically against the model's own RoPE, and opens the stores; any failure refuses to serve. The
+        fused page filler is checked against the torch one (stage.check_fused); failing it falls back to the
+        torch filler (info "link_fill_check"), it never refuses."""
         if not self.kv_caches:
             raise RuntimeError("KV caches are not registered yet")
         layers = vllm_api.decoder_layers(model)
@@ -113,6 +115,15 @@ class WorkerSide:
             "link_workspace_tokens": linker.workspace_tokens,
             "link_workspace_bytes": linker.workspace_nbytes,
             "link_fill": type(linker.filler).__name__,
+            # the fused filler's start-up check: passed (True), failed (False: the torch filler links, reason
+            # says why), not run (None)
+            "link_fill_check": {
+                "passed": linker.filler_check.passed,
+                "reason": linker.filler_check.reason,
+                "seconds": round(linker.filler_check.seconds, 3),
+            },
+            # vLLM's ops switched to their C/CUDA kernels during links (vllm_api.link_kernels)
+            "link_layer_kernels": sorted({type(m).__name__ for m in linker.layer_kernels.custom_ops}),
             "fingerprint": self.fingerprint,
             "tp": [self.tp_rank, self.tp_size],
         }

@@ -43,7 +43,7 @@ from .. import vllm_api
 from ..jobs import LinkJob
 from .layout import KVLayout, host_to_device, slots_for
 from .rope import KeyRotator
-from .stage import FillPlan, make_filler
+from .stage import FillPlan, choose_filler
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,8 @@ class Linker:
     # Tensor parallelism: ORs per-request failure flags over the ranks (a request failing its checks on any
     # rank is failed on all, so every rank's pass holds the same requests and their collectives stay in step).
     agree: Callable[[list[bool]], list[bool]] | None = None
-    # The page filler: the fused kernel (True), the torch path (False), or chosen by the layout and device.
+    # The page filler: the fused kernel (True), the torch path (False), or chosen by the layout and device and
+    # the fused kernel's start-up check (None: stage.choose_filler).
     fused: bool | None = None
     # vLLM's C/CUDA kernels for the layers' eager calls during a pass (vllm_api.link_kernels: under
     # torch.compile the layers' ops are the native ones, one PyTorch kernel each outside Inductor), switched
@@ -252,7 +253,10 @@ class Linker:
         shape = (2, self.workspace_tokens, first.num_kv_heads, first.head_size)
         self._ws = torch.empty(shape, dtype=cache.dtype, device=cache.device)
         caches = [self.cache_of(li) for li in range(len(self.layers))]
-        self.filler = make_filler(self.layout, self.rotator, caches, self.workspace_tokens, self.fused)
+        # the fused filler only where it passed its start-up check (fused=None), else the torch one
+        self.filler, self.filler_check = choose_filler(
+            self.layout, self.rotator, caches, self.workspace_tokens, self.fused
+        )
 
     @property
     def workspace_nbytes(self) -> int:
