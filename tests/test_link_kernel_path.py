@@ -384,6 +384,28 @@ def test_device_budget_gives_a_link_the_share_of_the_forward_it_measured_on_the_
     assert all(b.more() for _ in range(100))
 
 
+def test_an_idle_step_adds_no_forward_sample_to_the_device_budget():
+    # An idle step runs no forward: the time between its bind and start is not a forward's, and counting it
+    # (SMOOTH = 0.5) halved the estimate, so the next busy steps got about half their layers.
+    clock = {"now": 0.0, "done": False}
+    b = DeviceBudget(share=1.0, new_event=lambda: _Event(clock), record=lambda e: e.record())
+    b.bound()
+    clock["now"] = 10.0  # a busy step's forward: 10 ms
+    b.start(idle=False)
+    b.more()
+    clock["now"] = 12.0
+    b.end()
+    b.bound()
+    clock["now"] = 12.1  # an idle step: nothing ran between bind and start
+    b.start(idle=True)
+    b.end()
+    clock["done"], clock["now"] = True, 20.0
+    b.bound()
+    clock["now"] = 30.0  # the next busy step's forward: 10 ms again
+    b.start(idle=False)
+    assert b.forward_ms == 10.0
+
+
 def test_host_budget_ends_a_busy_steps_link_after_its_share_of_the_forward():
     b = HostBudget(share=0.0)
     b.bound()
