@@ -121,10 +121,10 @@ def check_capture(new_linker, link_fn, records, block_ids, T, dev) -> dict:
     k = torch.empty((L, T, H, D), dtype=ln.cache_of(0).dtype, pin_memory=dev.type == "cuda")
     v = torch.empty_like(k, pin_memory=dev.type == "cuda")
     t0 = time.perf_counter()
-    ln.capture(block_ids, 0, T // 2, k, v, 0)
-    ln.capture(block_ids, T // 2, T, k, v, T // 2)
+    landed = [ln.capture(block_ids, 0, T // 2, k, v, 0)]
+    landed.append(ln.capture(block_ids, T // 2, T, k, v, T // 2))
     issue_ms = (time.perf_counter() - t0) * 1e3
-    ln.captured()
+    ln.captured(landed)
     total_ms = (time.perf_counter() - t0) * 1e3
     equal = True
     for li in range(L):

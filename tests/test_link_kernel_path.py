@@ -488,3 +488,28 @@ def test_a_request_failing_its_checks_on_another_tensor_parallel_rank_is_failed_
     assert seen == [[False, False]] and rest == []  # both passed here
     assert "another rank" in jobs[0].error and jobs[1].error is None
     assert [s.load.job for s in p.seqs] == [jobs[1]]
+
+
+def test_a_capture_waits_on_its_own_events_not_on_the_whole_stream():
+    # N10: on a GPU each capture records an event after its copies into page-locked buffers; `captured` waits
+    # for those events alone (a full stream sync would also wait for link layers queued after the capture)
+    from epic_rag.testing.fake_streams import FakeStreams
+
+    L = 2
+    model = StubModel(L, 4, 2, 16)
+    g = torch.Generator().manual_seed(8)
+    caches = _flash_caches(L, 2, 16, 6, torch.float32)
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=g))
+    api = FakeStreams()
+    ln = _stub_linker(model, caches, FlashAttnLayout(_StubKernels()), 64, streams=api)
+    k, v = torch.zeros(L, 40, 2, 16), torch.zeros(L, 40, 2, 16)
+    blocks = [3, 1, 4]
+    landed = [ln.capture(blocks, 0, 20, k, v, 0), ln.capture(blocks, 20, 40, k, v, 20)]
+    api.launch("a link layer queued after the captures")
+    ln.captured(landed)
+    assert api.host_waits == landed  # FakeStream.synchronize raises: no stream sync either
+    kinds = [kind for kind, _ in api.compute.log]
+    assert kinds == ["copy"] * 2 * L + ["record"] + ["copy"] * 2 * L + ["record", "kernel"]
+    want_k, want_v = zip(*(ln.layout.read_range(c, blocks, 0, 40) for c in caches))
+    assert torch.equal(k, torch.stack(want_k)) and torch.equal(v, torch.stack(want_v))

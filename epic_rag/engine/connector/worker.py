@@ -363,10 +363,11 @@ class WorkerSide:
                 if cap.filled_to != spec.start:
                     raise RuntimeError(f"capture of {spec.req_id} resumed at {spec.start}, not {cap.filled_to}")
                 for first, stop, at in cap.kept(spec.start, spec.end):
-                    self.linker.capture(spec.block_ids, first, stop, cap.k, cap.v, at)
+                    cap.landed.append(self.linker.capture(spec.block_ids, first, stop, cap.k, cap.v, at))
                 cap.filled_to = spec.end
                 if spec.end == spec.num_prompt:
-                    self.linker.captured()  # every copy has landed (GPU: one wait per chunk, here)
+                    # every copy has landed (GPU: the chunk's own events, here; not the stream's later work)
+                    self.linker.captured(cap.landed)
                     if cap.lead > 1:  # the sink's key, rotated to sit right before the chunk
                         cap.k[:, :1] = self.linker.rotator.rotate(cap.k[:, :1], cap.lead - 1).to(cap.k.dtype)
                     self._captures.pop(spec.req_id, None)
