@@ -139,9 +139,21 @@ class WorkerSide:
                     raise RuntimeError("the connector was not given the model (register_kv_caches' caller)")
                 info = self.attach(self._runner.get_model())
                 log.info("EpicConnector attached: %s", info)
-                return True
             except Exception as e:
+                self.linker = None
                 self._refusal = _internal_error("this server cannot link or compile", e)
+            # Every tensor-parallel rank attaches in the same step (the same metadata): they agree on the
+            # outcome before any other collective, or a rank that refused would leave the others blocked in
+            # the next one (_read's agreement, a link layer's all-reduce).
+            if vllm_api.tp_rank_size()[1] > 1 and vllm_api.tp_any([self._refusal is not None])[0]:
+                if self._refusal is None:
+                    self.linker = None
+                    self._refusal = (
+                        "this server cannot link or compile (attaching failed on another tensor-parallel rank)"
+                    )
+                    log.error("EpicConnector: %s", self._refusal)
+            if self._refusal is None:
+                return True
         for load in meta.loads:
             self._fail_blocks(load)
             if self.async_links:
@@ -264,10 +276,15 @@ class WorkerSide:
         while self._pass is not None or self._queue:
             if self._pass is None:  # the queue's first loads that fit the workspace (begin returns the rest)
                 try:
-                    p, rest = self.linker.begin([x.load for x in self._queue])
+                    p, rest, err = *self.linker.begin([x.load for x in self._queue]), None
                 except Exception as e:  # never crash the engine step: these requests are failed
-                    self._fail_all(self._queue, e)
-                    p, rest = None, []
+                    p, rest, err = None, [], e
+                # Tensor-parallel ranks run a pass's layers together (their all-reduces): every rank started
+                # it, or none runs it (a device or host OOM in begin hits one rank only).
+                if self.tp_size > 1 and vllm_api.tp_any([err is not None])[0] and err is None:
+                    p, rest, err = None, [], RuntimeError("starting the pass failed on another tensor-parallel rank")
+                if err is not None:
+                    self._fail_all(self._queue, err)
                 taken = len(self._queue) - len(rest)
                 self._pass, self._queue = (p, self._queue[:taken]), self._queue[taken:]
             p, links = self._pass
