@@ -34,6 +34,9 @@ class Streams(Protocol):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst <- src on the current stream, not waiting for it on the host (page-locked host memory)."""
 
+    def keep(self, t: torch.Tensor, stream) -> None:
+        """The caching allocator reuses t's memory only once the work `stream` has queued on it is done."""
+
 
 class CudaStreams:
     """Streams on a CUDA device (torch.cuda)."""
@@ -57,6 +60,9 @@ class CudaStreams:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
+
+    def keep(self, t: torch.Tensor, stream) -> None:
+        t.record_stream(stream)
 
 
 def streams_for(device: torch.device | str) -> CudaStreams | None:
