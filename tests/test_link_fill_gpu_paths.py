@@ -262,3 +262,30 @@ def test_the_kernel_is_not_specialised_on_what_changes_from_launch_to_launch():
         pytest.skip("no Triton")
     free = {p.name for p in kernels._fill_pages.params if p.do_not_specialize}
     assert {"M", "layer0", "stage_base"} <= free
+
+
+def test_the_torch_filler_copies_records_without_stalling_the_host_per_record():
+    # The torch filler is the fallback after a failed start-up check: on a GPU a blocking copy from a
+    # page-locked record waits for the stream once per record per layer.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        blocking = 0
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten.copy_.default:
+                self.count += 1
+                self.blocking += not (kwargs.get("non_blocking") or (len(args) > 2 and args[2]))
+            return func(*args, **kwargs)
+
+    L, H, D, B = 2, 2, 32, 12
+    g = torch.Generator().manual_seed(9)
+    rot = KeyRotator(RotaryEmbedding(D))
+    plan = _plan(L, H, D, g, B)
+    f = stage.TorchFiller(FlashAttnLayout(), rot, _caches(L, H, D, B), plan.num_rows)
+    st = f.begin(plan)
+    with Copies() as c:
+        f.layer(st, 0)
+    assert c.count >= 2 * len(plan.segments) and c.blocking == c.count - 2 * len(plan.segments)

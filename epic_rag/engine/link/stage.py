@@ -137,9 +137,9 @@ class TorchFiller(Filler):
         if M == 0:
             return
         k, v = self._k[:M], self._v[:M]  # [M, Hkv, D]
-        for s in f.plan.segments:
-            k[s.m0 : s.m0 + s.n].copy_(s.k[li])
-            v[s.m0 : s.m0 + s.n].copy_(s.v[li])
+        for s in f.plan.segments:  # on a GPU: from page-locked records without stalling the host per record
+            k[s.m0 : s.m0 + s.n].copy_(s.k[li], non_blocking=True)
+            v[s.m0 : s.m0 + s.n].copy_(s.v[li], non_blocking=True)
         rotate_rows_(k, f.cos, f.sin, self.rotator.rotary_dim, self.rotator.is_neox)
         self.layout.write(self.caches[li], f.slots, k, v)
 
