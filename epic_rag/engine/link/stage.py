@@ -9,7 +9,10 @@ of its keys. Two fillers carry it out, behind one interface:
   layers at a time (one contiguous copy per record and group, on a side stream, into a two-slot staging
   ring, so the next group's copies overlap this group's recompute; the compute stream waits on events,
   never the host); then ONE fused kernel per group rotates every key and writes K and V into the pages
-  (kernels.py). No host synchronisation anywhere in the layer loop.
+  (kernels.py). No host synchronisation anywhere in the layer loop. Its stream and event calls go through
+  epic_rag.streams (CPU tests replay them on fakes). At attach it must write the torch filler's pages bit
+  for bit on scratch caches like the real ones (check_fused), or links use the torch filler
+  (choose_filler).
 - TorchFiller (CPU; CUDA without Triton): per layer, the rows are copied into a token-major staging buffer,
   keys rotated in place with per-row cos/sin (fp32 arithmetic, one rounding: the same numbers as
   KeyRotator), and the layout writes them with one call (vLLM's own cache-write op on CPU, 4-5x faster
