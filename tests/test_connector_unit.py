@@ -379,8 +379,9 @@ def test_tensor_parallel_ranks_keep_their_own_records_and_agree_on_what_is_missi
 
 
 def _other_rank(monkeypatch, flags: list[int]):
-    """A second tensor-parallel rank holding `flags`, reached over the group's host side (gloo); vLLM's device
-    all-reduce refuses host tensors on CUDA (and reading one back would sync the device): it must not be used."""
+    """A second tensor-parallel rank holding `flags` (for the reads' agreement), reached over the group's host
+    side (gloo); vLLM's device all-reduce refuses host tensors on CUDA (and reading one back would sync the
+    device): it must not be used."""
     import torch.distributed as dist
     from vllm.distributed import parallel_state
 
@@ -392,7 +393,8 @@ def _other_rank(monkeypatch, flags: list[int]):
     def all_reduce(t, group=None):
         assert group is host_group and t.device.type == "cpu", (group, t.device)
         seen.append(t.clone())
-        t += torch.tensor(flags, dtype=t.dtype)
+        if len(seen) == 1:  # the reads' agreement; later ones (the pass's start) went well there
+            t += torch.tensor(flags, dtype=t.dtype)
 
     def device_all_reduce(t):
         raise AssertionError("host flags sent through the device all-reduce")
@@ -413,6 +415,62 @@ def test_tensor_parallel_flags_are_agreed_on_the_groups_host_side_never_through_
     assert c.linker.linked == []  # failed on the other rank: failed here too, its blocks reported
     assert c.get_block_ids_with_load_errors() == {0, 1, 2}
     assert "another tensor-parallel rank" in c.build_connector_worker_meta().results["r1"]["error"]
+
+
+def _scripted_ranks(monkeypatch, others: list[list[bool]]):
+    """The other tensor-parallel rank's flags for each host-side agreement, in order; the calls seen here."""
+    from epic_rag.engine import vllm_api
+
+    seen = []
+
+    def tp_any(flags):
+        seen.append(list(flags))
+        other = others[len(seen) - 1]
+        return [a or b for a, b in zip(flags, other)]
+
+    monkeypatch.setattr(vllm_api, "tp_any", tp_any)
+    monkeypatch.setattr(vllm_api, "tp_rank_size", lambda: (0, 2))
+    return seen
+
+
+@pytest.mark.parametrize("fails_here", [True, False])
+def test_a_lazy_attach_that_fails_on_one_tensor_parallel_rank_is_refused_on_every_rank(monkeypatch, fails_here):
+    # Under `vllm serve` each rank attaches on first use; a rank that refused used to return before _read's
+    # agreement, leaving the other blocked in it. The ranks agree on the outcome first, in that step.
+    c = _worker(cm.EpicMeta(loads=[_load("r1", SPANS)]), _stores(_record("sink1-a.tp2r0", PROMPT[0:5])))
+    c.linker, c._refusal, c._runner = None, None, SimpleNamespace(get_model=lambda: "the model")
+    linker = _Linker()
+
+    def attach(model):
+        if fails_here:
+            raise RuntimeError("CUDA out of memory allocating the staging ring")
+        c.linker, c.tp_size = linker, 2
+        return {}
+
+    c.attach = attach
+    seen = _scripted_ranks(monkeypatch, [[not fails_here]])
+    c.start_load_kv(None)
+    assert seen == [[fails_here]]  # one agreement, on the attach outcome, and no other collective after it
+    assert c.linker is None and linker.linked == []
+    assert c.get_block_ids_with_load_errors() == {0, 1, 2}
+    assert "cannot link" in c.build_connector_worker_meta().results["r1"]["error"]
+    c.start_load_kv(None)  # later steps: refused on every rank alike, without another collective
+    assert len(seen) == 1
+
+
+def test_a_pass_whose_start_fails_on_another_tensor_parallel_rank_runs_no_layer_on_any(monkeypatch):
+    # An OOM in begin (the pass's tables, staging) hits one rank: the other must not run layers whose
+    # all-reduces the failed rank never joins.
+    stores = _stores(_record("sink1-a.tp2r0", PROMPT[0:5]), _record("sink1-b.tp2r0", PROMPT[5:9]))
+    c = _worker(cm.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS, block_ids=(3, 4, 5))]), stores)
+    c.tp_size = 2
+    seen = _scripted_ranks(monkeypatch, [[False] * 6, [True]])  # reads agreed; the other rank's begin failed
+    c.start_load_kv(None)
+    assert seen == [[False] * 6, [False]]  # its start agreed after the reads
+    assert c.linker.advances == 0
+    assert c.get_block_ids_with_load_errors() == {0, 1, 2, 3, 4, 5}
+    results = c.build_connector_worker_meta().results
+    assert all(r["error"].startswith("linking a pass of 2 requests failed") for r in results.values())
 
 
 def test_the_model_runner_is_found_behind_model_runner_v2s_kv_connector_object():

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from epic_rag.engine.jobs import LinkJob, LinkSpan
 from epic_rag.engine.link import kernels, linker, stage
@@ -18,6 +17,7 @@ from epic_rag.engine.link.layout import FlashAttnLayout, LayoutError, canonical_
 from epic_rag.engine.link.rope import KeyRotator
 from epic_rag.policy import parse_policy
 from epic_rag.store import ChunkKV
+from epic_rag.testing.dispatch_count import OpCounter
 from epic_rag.testing.stub_model import RotaryEmbedding, StubModel
 from epic_rag.testing.varlen import ReferenceFlashKernels
 
@@ -218,34 +218,9 @@ class _StubKernels:
         self._launch("varlen")
 
 
-class _Counter(TorchDispatchMode):
-    """Counts dispatched ops, and host synchronisations: ops that read a device value on the host, plus
-    tolist()/cpu()/numpy() calls (they do not dispatch on CPU tensors); kernel launches are added by name."""
-
-    SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item")
-    # metadata only on a GPU: no kernel launch (empty allocates from the caching allocator; a same-dtype .to
-    # and contiguous() of a contiguous tensor return it)
-    NO_LAUNCH = ("view", "reshape", "transpose", "split", "select", "slice", "as_strided", "permute", "expand")
-    NO_LAUNCH += ("unsqueeze", "squeeze", "alias", "detach", "lift_fresh", "empty", "to.dtype", "contiguous", "t.")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops, self.syncs, self.paused = [], [], False
-
-    def launches(self) -> list[str]:
-        return [op for op in self.ops if not any(f"aten.{n}" in op for n in self.NO_LAUNCH)]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused:
-            self.ops.append(str(func))
-            if any(s in str(func) for s in self.SYNC_OPS):
-                self.syncs.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _counted(monkeypatch, ln, p):
     """Ops and syncs of advance() over every layer, the stub layers' own ops (the model's) left out."""
-    counter = _Counter()
+    counter = OpCounter()
     for name in ("tolist", "cpu", "numpy"):
         orig = getattr(torch.Tensor, name)
 
@@ -409,6 +384,28 @@ def test_device_budget_gives_a_link_the_share_of_the_forward_it_measured_on_the_
     assert all(b.more() for _ in range(100))
 
 
+def test_an_idle_step_adds_no_forward_sample_to_the_device_budget():
+    # An idle step runs no forward: the time between its bind and start is not a forward's, and counting it
+    # (SMOOTH = 0.5) halved the estimate, so the next busy steps got about half their layers.
+    clock = {"now": 0.0, "done": False}
+    b = DeviceBudget(share=1.0, new_event=lambda: _Event(clock), record=lambda e: e.record())
+    b.bound()
+    clock["now"] = 10.0  # a busy step's forward: 10 ms
+    b.start(idle=False)
+    b.more()
+    clock["now"] = 12.0
+    b.end()
+    b.bound()
+    clock["now"] = 12.1  # an idle step: nothing ran between bind and start
+    b.start(idle=True)
+    b.end()
+    clock["done"], clock["now"] = True, 20.0
+    b.bound()
+    clock["now"] = 30.0  # the next busy step's forward: 10 ms again
+    b.start(idle=False)
+    assert b.forward_ms == 10.0
+
+
 def test_host_budget_ends_a_busy_steps_link_after_its_share_of_the_forward():
     b = HostBudget(share=0.0)
     b.bound()
@@ -491,3 +488,28 @@ def test_a_request_failing_its_checks_on_another_tensor_parallel_rank_is_failed_
     assert seen == [[False, False]] and rest == []  # both passed here
     assert "another rank" in jobs[0].error and jobs[1].error is None
     assert [s.load.job for s in p.seqs] == [jobs[1]]
+
+
+def test_a_capture_waits_on_its_own_events_not_on_the_whole_stream():
+    # N10: on a GPU each capture records an event after its copies into page-locked buffers; `captured` waits
+    # for those events alone (a full stream sync would also wait for link layers queued after the capture)
+    from epic_rag.testing.fake_streams import FakeStreams
+
+    L = 2
+    model = StubModel(L, 4, 2, 16)
+    g = torch.Generator().manual_seed(8)
+    caches = _flash_caches(L, 2, 16, 6, torch.float32)
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=g))
+    api = FakeStreams()
+    ln = _stub_linker(model, caches, FlashAttnLayout(_StubKernels()), 64, streams=api)
+    k, v = torch.zeros(L, 40, 2, 16), torch.zeros(L, 40, 2, 16)
+    blocks = [3, 1, 4]
+    landed = [ln.capture(blocks, 0, 20, k, v, 0), ln.capture(blocks, 20, 40, k, v, 20)]
+    api.launch("a link layer queued after the captures")
+    ln.captured(landed)
+    assert api.host_waits == landed  # FakeStream.synchronize raises: no stream sync either
+    kinds = [kind for kind, _ in api.compute.log]
+    assert kinds == ["copy"] * 2 * L + ["record"] + ["copy"] * 2 * L + ["record", "kernel"]
+    want_k, want_v = zip(*(ln.layout.read_range(c, blocks, 0, 40) for c in caches))
+    assert torch.equal(k, torch.stack(want_k)) and torch.equal(v, torch.stack(want_v))

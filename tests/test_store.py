@@ -660,6 +660,62 @@ def test_gpu_tier_holds_copies_on_its_device_under_its_budget_and_promotes_hits_
     assert not gpu.contains("plain-i")
 
 
+def test_a_gpu_tier_miss_returns_the_promoted_device_record_copied_from_the_page_locked_one(tmp_path):
+    # N3: the link used to get the host record back and stage it again (the first link of new chunks moved
+    # their bytes twice); the promotion also copies from the memory tier's own (page-locked) copy, promoted
+    # first. device=meta stands for the GPU here: a device the host records are not on.
+    from epic_rag.store.memory import DeviceStore
+
+    gpu, mem, disk = DeviceStore(4 * make_kv().nbytes, device="meta"), MemoryStore(pin=False), DiskStore(tmp_path)
+    store = TieredStore([gpu, mem, disk])
+    kv = make_kv("plain-a")
+    disk.put(kv)
+    seen = []
+    hold = gpu._hold
+    gpu._hold = lambda r: seen.append(r) or hold(r)
+    got = store.get("plain-a")
+    assert got.k.device.type == "meta" and got is gpu.get("plain-a")  # what the gpu tier holds
+    assert seen[0] is mem.get("plain-a")  # copied from the memory tier's copy
+    assert store.get("plain-a") is got  # a hit in the top tier: that record, no copy
+
+
+def test_a_gpu_tier_promotion_copies_on_a_side_stream_and_the_compute_stream_waits_on_the_device(tmp_path):
+    # N3: the copy used to run on the compute stream, ahead of the link's kernels; now the compute stream waits
+    # for it on the device (an event) and the caching allocator learns the record is used there
+    from epic_rag.store.memory import DeviceStore
+    from epic_rag.testing.fake_streams import FakeStreams
+
+    api = FakeStreams()
+    gpu = DeviceStore(4 * make_kv().nbytes, device="meta", streams=api)
+    store = TieredStore([gpu, MemoryStore(pin=False)])
+    store.tiers[1].put(make_kv("plain-a"))
+    got = store.get("plain-a")
+    (side,) = [s for s in api.streams if s is not api.compute]
+    assert [k for k, _ in side.log] == ["copy", "copy", "record"]
+    assert [k for k, _ in api.compute.log] == ["wait"] and api.compute.log[0][1][0] is side.log[2][1][0]
+    assert [(t, s) for t, s in api.kept] == [(got.k, api.compute), (got.v, api.compute)]
+    assert api.host_waits == []
+
+
+def test_page_locked_records_count_the_blocks_torchs_host_allocator_reserves(monkeypatch):
+    # N4: torch's pinned allocator rounds every block up to a power of two (and keeps it): a record of
+    # 33 KiB per K or V holds 64 KiB each, so a budget counted in nbytes pinned about twice itself
+    from epic_rag.store import memory
+
+    monkeypatch.setattr(memory, "_pinned_copy", lambda t: t.clone())  # no CUDA here: the copy, unpinned
+    kv = make_kv(tokens=33 * 1024 // (L * H * D * 4) or 1)
+    per_tensor = kv.nbytes // 2
+    rounded = 1 << (per_tensor - 1).bit_length()
+    m = MemoryStore(max_bytes=4 * rounded, pin=True)
+    for i in range(3):
+        m.put(make_kv(f"plain-{i}", tokens=kv.num_tokens, seed=i))
+    assert m.stats.bytes == 2 * 2 * rounded and m.keys() == ["plain-1", "plain-2"]
+    assert memory.host_block_bytes(per_tensor) == rounded and memory.host_block_bytes(1 << 20) == 1 << 20
+    unpinned = MemoryStore(max_bytes=4 * rounded, pin=False)
+    unpinned.put(kv)
+    assert unpinned.stats.bytes == kv.nbytes  # pageable memory: what it holds
+
+
 def test_a_gpu_tier_on_a_machine_without_cuda_is_refused_by_name():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -278,6 +278,7 @@ class Capture:
     lead: int = 1  # prompt tokens before the chunk (sink included)
     filled_to: int = 0  # prompt positions captured so far
     error: str | None = None
+    landed: list = field(default_factory=list)  # on a GPU: an event per capture step, complete once it landed
 
     def kept(self, start: int, end: int) -> list[tuple[int, int, int]]:
         """The kept parts of prompt positions [start, end): (first, stop, buffer index of first)."""

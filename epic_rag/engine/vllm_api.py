@@ -10,7 +10,11 @@ Public API (stable across releases), used through the functions below:
 
 Internals (read from vLLM 0.32.0's source; nothing guarantees them):
 - decoder layers are called `layer(positions, hidden_states, residual) -> (hidden_states, residual)`
-  (decoder_layer_forward), and hold one `Attention` module with `.impl`, `.layer_name`, `num_heads`,
+  (decoder_layer_forward); during a link their CustomOps' `_forward_method` (set by `dispatch_forward`) is
+  switched to the platform's `forward_cuda`/`forward_cpu`, and the IR ops' priority (`IrOp.registry`,
+  `set_priority`, `get_priority`, `impls`) and torch-op wrapping (`ir.enable_torch_wrap`) are scoped to
+  vLLM's C kernels (link_kernels: what `enforce_eager` gives, whatever the compile mode). Layers hold one
+  `Attention` module with `.impl`, `.layer_name`, `num_heads`,
   `num_kv_heads`, `head_size` (find_attention); support.py reads the settings it refuses from that module
   (`kv_cache_dtype`, `head_size_v`, `sliding_window`, `has_sink`, `kv_sharing_target_layer_name`) and from
   its `.impl` (`logits_soft_cap`, `alibi_slopes`, `sinks`, `sliding_window`): a renamed attribute there
@@ -47,7 +51,11 @@ Internals (read from vLLM 0.32.0's source; nothing guarantees them):
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -243,6 +251,102 @@ def decoder_layer_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer on the hidden states of `positions` only.  # hidden: [n, hidden]"""
     return layer(positions, hidden, residual)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKernels:
+    """vLLM's own kernels for the decoder-layer calls a link makes (link_kernels): the CustomOp modules of the
+    layers whose forward is switched to the platform's kernel (forward_cuda on CUDA, forward_cpu on a CPU) for
+    the duration of a pass, and the IR ops (RMS norms) whose priority puts vLLM's C kernels first."""
+
+    custom_ops: tuple[torch.nn.Module, ...] = ()
+    ir_ops: tuple[Any, ...] = ()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Within: each module runs its platform kernel and each IR op its C kernel where the platform has one
+        (the IR op's own `set_priority`, with vLLM's torch-op wrapping off as in eager mode); on exit, every
+        module's and op's previous choice is back, exception or not."""
+        if not self.custom_ops and not self.ir_ops:
+            yield
+            return
+        from vllm import ir
+
+        saved = [(m, m.__dict__.get("_forward_method")) for m in self.custom_ops]
+        with contextlib.ExitStack() as stack:
+            for op in self.ir_ops:
+                stack.enter_context(op.set_priority(_eager_priority(op)))
+            stack.enter_context(ir.enable_torch_wrap(False))
+            try:
+                for m, _ in saved:
+                    m._forward_method = _platform_forward(m)
+                yield
+            finally:
+                for m, before in saved:
+                    if before is None:
+                        m.__dict__.pop("_forward_method", None)
+                    else:
+                        m._forward_method = before
+
+
+def _eager_priority(op) -> list[str]:
+    """An IR op's priority as vLLM sets it without Inductor (platforms/cuda.py: vllm_c, then native), keeping
+    any provider the configuration put first (e.g. oink); providers the platform lacks are skipped by
+    set_priority itself."""
+    current = [p for p in op.get_priority() if p != "native"]
+    return current + [p for p in ("vllm_c",) if p in op.impls and p not in current] + ["native"]
+
+
+def _platform_forward(module: torch.nn.Module):
+    """The forward vLLM's CustomOp.dispatch_forward picks for an enabled op on this platform."""
+    from vllm.platforms import current_platform as cp
+
+    if cp.is_rocm():
+        return module.forward_hip
+    if cp.is_cpu():
+        return module.forward_cpu
+    if cp.is_tpu():
+        return module.forward_tpu
+    if cp.is_xpu():
+        return module.forward_xpu
+    if cp.is_out_of_tree():
+        return module.forward_oot
+    return module.forward_cuda
+
+
+def link_kernels(layers: list[torch.nn.Module], vllm_config) -> LayerKernels:
+    """What to switch so that a link's eager decoder-layer calls run vLLM's C/CUDA kernels whatever the compile
+    mode. Under torch.compile (vLLM's default on CUDA) the CustomOps are disabled (`custom_ops=["none"]`: their
+    forward is the native PyTorch one, or a torch.compile of it) and the IR ops run `native`: Inductor fuses them
+    inside the compiled model, but the link calls the layers eagerly, outside it, where each runs as ~10-17
+    separate PyTorch kernels (~50 launches a layer instead of ~13). Ops the configuration disabled by name
+    (`-rms_norm` in `vllm_config`'s custom_ops) are left alone. Nothing to switch where the layers are not
+    vLLM's (vLLM never imported: the stub model of tests and device scripts)."""
+    if "vllm" not in sys.modules:
+        return LayerKernels()
+    from vllm.ir.op import IrOp
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.platforms import current_platform
+
+    current_platform.import_ir_kernels()  # the IR ops' providers (a worker has them already)
+    disabled = {s[1:] for s in vllm_config.compilation_config.custom_ops if s.startswith("-")}
+    mods, seen = [], set()
+    for layer in layers:
+        for m in layer.modules():
+            if isinstance(m, CustomOp) and id(m) not in seen and getattr(type(m), "name", None) not in disabled:
+                seen.add(id(m))
+                if _has_platform_kernel(m):
+                    mods.append(m)
+    return LayerKernels(tuple(mods), tuple(IrOp.registry.values()))
+
+
+def _has_platform_kernel(module: torch.nn.Module) -> bool:
+    """Whether the op's class has its own kernel for this platform (CustomOp's forward_cuda raises, its
+    forward_cpu is the native one: nothing to switch to)."""
+    from vllm.model_executor.custom_op import CustomOp
+
+    name = _platform_forward(module).__name__
+    return getattr(type(module), name) is not getattr(CustomOp, name)
 
 
 def find_attention(layer: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.Module]:

@@ -165,6 +165,13 @@ class ChunkStore(ABC):
     def put(self, kv: ChunkKV) -> None:
         """Store an entry (write-through in stacks)."""
 
+    def promote(self, kv: ChunkKV) -> ChunkKV:
+        """Take a hit from a tier below (TieredStore.get): stored like a put; returns the record as this tier
+        holds it where that is another copy (page-locked, on the GPU), so the caller links from the fastest
+        copy, else `kv`."""
+        self.put(kv)
+        return kv
+
     @abstractmethod
     def delete(self, key: str) -> bool:
         """Remove an entry; True when one was removed."""

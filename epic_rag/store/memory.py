@@ -1,4 +1,5 @@
-"""Memory tier: an LRU dict of ChunkKV under a byte budget (optionally int8-packed)."""
+"""Memory tier: an LRU dict of ChunkKV under a byte budget (optionally int8-packed); the gpu tier, the same on a
+device."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..streams import Streams, streams_for
 from . import codec
 from .base import ChunkKV, ChunkStore, check_key, check_quant
 
@@ -19,7 +21,9 @@ class MemoryStore(ChunkStore):
     """Process-private LRU. With quant="int8" entries are held packed and dequantized on every get.
     With pin (default: where a CUDA device exists) exact entries are held in page-locked memory, copied
     there once when they enter the tier, so every link copies them to the GPU asynchronously and at full
-    speed (a pageable copy is ~3x slower and stalls the host)."""
+    speed (a pageable copy is ~3x slower and stalls the host). Page-locked entries count the blocks torch's
+    host allocator reserves for them (host_block_bytes: a power of two each), so the budget bounds the
+    memory pinned, not half of it."""
 
     name = "memory"
 
@@ -42,8 +46,13 @@ class MemoryStore(ChunkStore):
         """The entry as this tier keeps it (page-locked where asked)."""
         if not self.pin or kv.k.device.type != "cpu" or (kv.k.is_pinned() and kv.v.is_pinned()):
             return kv
-        k, v = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in (kv.k, kv.v))
-        return dataclasses.replace(kv, k=k, v=v)
+        return dataclasses.replace(kv, k=_pinned_copy(kv.k), v=_pinned_copy(kv.v))
+
+    def _size(self, kv: ChunkKV) -> int:
+        """Bytes an exact entry takes from the budget: the host allocator's blocks where it is page-locked."""
+        if self.pin and kv.k.device.type == "cpu":
+            return host_block_bytes(kv.k.nbytes) + host_block_bytes(kv.v.nbytes)
+        return kv.nbytes
 
     def get(self, key: str) -> ChunkKV | None:
         check_key(key)
@@ -63,11 +72,19 @@ class MemoryStore(ChunkStore):
         return kv
 
     def put(self, kv: ChunkKV) -> None:
+        self._put(kv)
+
+    def promote(self, kv: ChunkKV) -> ChunkKV:
+        held = self._put(kv)
+        return held if held is not None else kv
+
+    def _put(self, kv: ChunkKV) -> ChunkKV | None:
+        """Store an entry; the record held (None: packed, or not kept)."""
         check_key(kv.key)
         t0 = time.perf_counter()
         if self.quant == "none":
             item = self._hold(kv)
-            size = item.nbytes
+            size = self._size(item)
         else:
             try:
                 meta, tensors = codec.pack(kv, self.quant)
@@ -75,10 +92,10 @@ class MemoryStore(ChunkStore):
                 with self._lock:
                     self.stats.errors += 1
                 log.error("memory tier: not storing chunk %s: %s", kv.key, e)
-                return
+                return None
             item, size = (meta, tensors), codec.packed_nbytes(tensors)
         if size > self.max_bytes:
-            return  # larger than the whole budget: lower tiers keep it
+            return None  # larger than the whole budget: lower tiers keep it
         with self._lock:
             old = self._items.pop(kv.key, None)
             if old is not None:
@@ -93,6 +110,7 @@ class MemoryStore(ChunkStore):
                 self.stats.evictions += 1
             self.stats.entries = len(self._items)
             self.stats.put_seconds += time.perf_counter() - t0
+        return item if isinstance(item, ChunkKV) else None
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -125,17 +143,21 @@ class MemoryStore(ChunkStore):
 
 class DeviceStore(MemoryStore):
     """GPU tier: hot records resident in device memory, LRU under a byte budget (taken out of the share of
-    the GPU's memory vLLM is given, see link_memory.gpu_memory_share), so a hot chunk links with no host-to-device
-    copy at all. Process-private, exact only; the top tier of a stack (hits below are promoted into it)."""
+    the GPU's memory vLLM is given, see link/memory.gpu_memory_share), so a hot chunk links with no
+    host-to-device copy at all. Process-private, exact only; the top tier of a stack (hits below are promoted
+    into it, and the link gets this tier's copy). A promotion copies on a side stream: the compute stream (the
+    link's kernels) waits for it on the device, the host never does."""
 
     name = "gpu"
 
-    def __init__(self, max_bytes: int, device: str | torch.device = "cuda") -> None:
+    def __init__(self, max_bytes: int, device: str | torch.device = "cuda", streams: Streams | None = None) -> None:
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("the gpu tier needs a CUDA device (none is available here)")
         super().__init__(max_bytes=max_bytes, pin=False)
         self.device = device
+        self.streams = streams if streams is not None else streams_for(device)
+        self._side = None  # the copy stream, made at the first promotion
 
     def __repr__(self) -> str:
         return f"DeviceStore(max_bytes={self.max_bytes}, device={str(self.device)!r})"
@@ -143,11 +165,40 @@ class DeviceStore(MemoryStore):
     def _hold(self, kv: ChunkKV) -> ChunkKV:
         if kv.k.device == self.device and kv.v.device == self.device:
             return kv
-        k, v = (t.to(self.device, non_blocking=t.is_pinned()) for t in (kv.k, kv.v))
+        st = self.streams
+        if st is None:
+            k, v = (t.to(self.device) for t in (kv.k, kv.v))
+            return dataclasses.replace(kv, k=k, v=v)
+        compute = st.current()
+        if self._side is None:
+            self._side = st.stream()
+        with st.on(self._side):  # allocated from, and copied on, the side stream: work queued on compute runs on
+            k, v = (torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in (kv.k, kv.v))
+            st.copy(k, kv.k)
+            st.copy(v, kv.v)
+            landed = st.event()
+            landed.record(self._side)
+        compute.wait_event(landed)  # what the compute stream runs next (the link's fill) sees the whole record
+        for t in (k, v):  # its memory goes back to the side stream's pool only after the compute stream's uses
+            st.keep(t, compute)
         return dataclasses.replace(kv, k=k, v=v)
 
-    def put(self, kv: ChunkKV) -> None:
+    def _size(self, kv: ChunkKV) -> int:
+        return kv.nbytes
+
+    def _put(self, kv: ChunkKV) -> ChunkKV | None:
         if kv.quant != "none":
-            return  # exact records only: lossy ones stay in the tiers that made them
-        if kv.nbytes <= self.max_bytes:  # larger than the whole budget: never copied over
-            super().put(kv)
+            return None  # exact records only: lossy ones stay in the tiers that made them
+        if kv.nbytes > self.max_bytes:  # larger than the whole budget: never copied over
+            return None
+        return super()._put(kv)
+
+
+def host_block_bytes(nbytes: int) -> int:
+    """Bytes torch's page-locked host allocator reserves for a tensor of `nbytes` (CachingHostAllocator: every
+    block rounded up to a power of two, kept cached for blocks of that size once freed)."""
+    return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)

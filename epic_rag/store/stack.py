@@ -46,8 +46,10 @@ class TieredStore(ChunkStore):
             kv = self._safe(tier, "get", lambda: tier.get(key))
             if kv is None:
                 continue
-            for upper in self.tiers[:i]:  # promote
-                self._safe(upper, "promote", lambda: upper.put(kv))
+            # promoted nearest tier first: each copies from the tier below's own copy (the gpu tier from the
+            # memory tier's page-locked one), and the record returned is the top tier's (on the GPU)
+            for upper in reversed(self.tiers[:i]):
+                kv = self._safe(upper, "promote", lambda: upper.promote(kv), kv)
             with self._lock:
                 self.stats.record_load(t0)
             return kv

@@ -6,7 +6,11 @@ Each decoder layer is `layer(positions, hidden, residual) -> (hidden, residual)`
 - gemms=False (tests): q, k, v are slices of the hidden state, the next hidden state mixes the attention output
   back in; cheap, deterministic, and every layer's attention changes what later layers see;
 - gemms=True (timings): the recompute's real matrix shapes (QKV, O, gated MLP), one weight set shared by every
-  layer (the GEMMs' cost is what matters, as in ../shared/device/gpu_probe.py).
+  layer (the GEMMs' cost is what matters, as in ../shared/device/gpu_probe.py);
+- gemms=True, mix=True (timings): the GEMMs and the rest of a Llama layer's ops as vLLM runs them: RMS norms
+  (the second, and the first past layer 0, fused with the residual add), RoPE on q and k, the residual carried
+  to the next layer, SiLU-and-mul. Torch's ops stand in for vLLM's C kernels (a norm is one fused kernel in
+  both; torch's RoPE is ~9 kernels where vLLM's is one): launches per layer are an upper bound of the engine's.
 """
 
 from __future__ import annotations
@@ -66,11 +70,34 @@ class _Layer(torch.nn.Module):
             o = self.self_attn.attn(q, k, v)  # [n, hq]
             return torch.cat([0.5 * (q + o), k * 0.9 + o[:, :hk] * 0.1, v], dim=-1), h
         w = m.weights
+        if m.mix:
+            return self._mixed(positions, h, residual)
         q, k, v = (h @ w["qkv"]).split([hq, hk, hk], dim=-1)
         x = self.self_attn.attn(q.contiguous(), k.contiguous(), v.contiguous()) @ w["o"]
         gu = x @ w["gu"]
         ff = gu.shape[-1] // 2
         return (torch.nn.functional.silu(gu[:, :ff]) * gu[:, ff:]) @ w["down"], h
+
+    def _mixed(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None):
+        """vLLM's LlamaDecoderLayer.forward, with torch's ops.  # h, residual: [n, hidden]"""
+        m, w, F = self._m[0], self._m[0].weights, torch.nn.functional
+        hidden = h.shape[-1]
+        residual = h if residual is None else h + residual
+        x = F.rms_norm(residual, (hidden,), w["norm"], 1e-5)
+        qkv = x @ w["qkv"]  # [n, (Hq + 2 Hkv) D]
+        n, H = qkv.shape[0], m.hq + m.hk
+        qk = qkv[:, : H * m.d].view(n, H, m.d)  # q's and k's heads, rotated together (NeoX pairs)
+        cos, sin = m.rope_cos[positions][:, None], m.rope_sin[positions][:, None]  # [n, 1, D/2]
+        x1, x2 = qk[..., : m.d // 2], qk[..., m.d // 2 :]
+        qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).view(n, H * m.d)
+        q, k = qk[:, : m.hq * m.d], qk[:, m.hq * m.d :]
+        v = qkv[:, H * m.d :]
+        o = self.self_attn.attn(q, k, v.contiguous()) @ w["o"]
+        residual = o + residual
+        x = F.rms_norm(residual, (hidden,), w["norm"], 1e-5)
+        gu = x @ w["gu"]
+        ff = gu.shape[-1] // 2
+        return (F.silu(gu[:, :ff]) * gu[:, ff:]) @ w["down"], residual
 
 
 class _Inner(torch.nn.Module):
@@ -100,9 +127,10 @@ class StubModel(torch.nn.Module):
         ffn: int = 14336,
         rotary: torch.nn.Module | None = None,
         seed: int = 0,
+        mix: bool = False,
     ) -> None:
         super().__init__()
-        self.hq, self.hk, self.d = num_heads, num_kv_heads, head_size
+        self.hq, self.hk, self.d, self.mix = num_heads, num_kv_heads, head_size, mix and gemms
         self.rotary = rotary or RotaryEmbedding(head_size)
         g = torch.Generator().manual_seed(seed)
         width = hidden if gemms else (num_heads + 2 * num_kv_heads) * head_size
@@ -116,4 +144,7 @@ class StubModel(torch.nn.Module):
             self.weights = {
                 n: (torch.randn(shape, generator=g) * s).to(dtype).to(device) for n, shape in shapes.items()
             }
+            self.weights["norm"] = torch.ones(hidden, dtype=dtype, device=device)
+            cos, sin = self.rotary._compute_cos_sin_cache().chunk(2, dim=-1)  # [P, D/2] each
+            self.rope_cos, self.rope_sin = cos.to(dtype).to(device), sin.to(dtype).to(device)
         self.model = _Inner(self, num_layers)

@@ -72,7 +72,9 @@ class WorkerSide:
         Refuses every configuration the linker does not handle (support.check_supported: quantized KV,
         soft-capping, ALiBi, sinks, sliding windows, per-layer RoPE or head sizes, split kernel blocks, ...),
         then binds the vLLM model, picks the KV layout and self-checks it, builds the key rotator and checks
-        it numerically against the model's own RoPE, and opens the stores; any failure refuses to serve."""
+        it numerically against the model's own RoPE, and opens the stores; any failure refuses to serve. The
+        fused page filler is checked against the torch one (stage.check_fused); failing it falls back to the
+        torch filler (info "link_fill_check"), it never refuses."""
         if not self.kv_caches:
             raise RuntimeError("KV caches are not registered yet")
         layers = vllm_api.decoder_layers(model)
@@ -98,6 +100,7 @@ class WorkerSide:
             workspace_tokens=self.workspace_tokens,
             reduce=vllm_api.tp_all_reduce if tp else None,
             agree=vllm_api.tp_any if tp else None,
+            layer_kernels=vllm_api.link_kernels(layers, self._vllm_config),
         )
         self.linker = linker
         self._budget = link_budget(cache.device, self.link_step_share)
@@ -112,6 +115,15 @@ class WorkerSide:
             "link_workspace_tokens": linker.workspace_tokens,
             "link_workspace_bytes": linker.workspace_nbytes,
             "link_fill": type(linker.filler).__name__,
+            # the fused filler's start-up check: passed (True), failed (False: the torch filler links, reason
+            # says why), not run (None)
+            "link_fill_check": {
+                "passed": linker.filler_check.passed,
+                "reason": linker.filler_check.reason,
+                "seconds": round(linker.filler_check.seconds, 3),
+            },
+            # vLLM's ops switched to their C/CUDA kernels during links (vllm_api.link_kernels)
+            "link_layer_kernels": sorted({type(m).__name__ for m in linker.layer_kernels.custom_ops}),
             "fingerprint": self.fingerprint,
             "tp": [self.tp_rank, self.tp_size],
         }
@@ -127,9 +139,21 @@ class WorkerSide:
                     raise RuntimeError("the connector was not given the model (register_kv_caches' caller)")
                 info = self.attach(self._runner.get_model())
                 log.info("EpicConnector attached: %s", info)
-                return True
             except Exception as e:
+                self.linker = None
                 self._refusal = _internal_error("this server cannot link or compile", e)
+            # Every tensor-parallel rank attaches in the same step (the same metadata): they agree on the
+            # outcome before any other collective, or a rank that refused would leave the others blocked in
+            # the next one (_read's agreement, a link layer's all-reduce).
+            if vllm_api.tp_rank_size()[1] > 1 and vllm_api.tp_any([self._refusal is not None])[0]:
+                if self._refusal is None:
+                    self.linker = None
+                    self._refusal = (
+                        "this server cannot link or compile (attaching failed on another tensor-parallel rank)"
+                    )
+                    log.error("EpicConnector: %s", self._refusal)
+            if self._refusal is None:
+                return True
         for load in meta.loads:
             self._fail_blocks(load)
             if self.async_links:
@@ -252,10 +276,15 @@ class WorkerSide:
         while self._pass is not None or self._queue:
             if self._pass is None:  # the queue's first loads that fit the workspace (begin returns the rest)
                 try:
-                    p, rest = self.linker.begin([x.load for x in self._queue])
+                    p, rest, err = *self.linker.begin([x.load for x in self._queue]), None
                 except Exception as e:  # never crash the engine step: these requests are failed
-                    self._fail_all(self._queue, e)
-                    p, rest = None, []
+                    p, rest, err = None, [], e
+                # Tensor-parallel ranks run a pass's layers together (their all-reduces): every rank started
+                # it, or none runs it (a device or host OOM in begin hits one rank only).
+                if self.tp_size > 1 and vllm_api.tp_any([err is not None])[0] and err is None:
+                    p, rest, err = None, [], RuntimeError("starting the pass failed on another tensor-parallel rank")
+                if err is not None:
+                    self._fail_all(self._queue, err)
                 taken = len(self._queue) - len(rest)
                 self._pass, self._queue = (p, self._queue[:taken]), self._queue[taken:]
             p, links = self._pass
@@ -354,10 +383,11 @@ class WorkerSide:
                 if cap.filled_to != spec.start and start != 0:
                     raise RuntimeError(f"capture of {spec.req_id} resumed at {spec.start}, not {cap.filled_to}")
                 for first, stop, at in cap.kept(start, spec.end):
-                    self.linker.capture(spec.block_ids, first, stop, cap.k, cap.v, at)
+                    cap.landed.append(self.linker.capture(spec.block_ids, first, stop, cap.k, cap.v, at))
                 cap.filled_to = spec.end
                 if spec.end == spec.num_prompt:
-                    self.linker.captured()  # every copy has landed (GPU: one wait per chunk, here)
+                    # every copy has landed (GPU: the chunk's own events, here; not the stream's later work)
+                    self.linker.captured(cap.landed)
                     if cap.lead > 1:  # the sink's key, rotated to sit right before the chunk
                         cap.k[:, :1] = self.linker.rotator.rotate(cap.k[:, :1], cap.lead - 1).to(cap.k.dtype)
                     self._captures.pop(spec.req_id, None)

@@ -74,9 +74,9 @@ class DeviceBudget:
         self._fwd_start = self._mark()
 
     def start(self, idle: bool) -> None:
-        if self._fwd_start is not None:
+        if self._fwd_start is not None and not idle:  # an idle step ran no forward: no sample
             self._fwd.append((self._fwd_start, self._mark()))
-            self._fwd_start = None
+        self._fwd_start = None
         self._poll()
         if idle:
             self._allowed = None

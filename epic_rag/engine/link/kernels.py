@@ -10,7 +10,8 @@ Sources and pages are addressed by raw byte addresses (int64) so one launch can 
 write several layers' caches; the tables are built on the host once per pass (stage.py) and copied over in
 one transfer. Triton ships with vLLM's CUDA build. On a CPU the kernel runs only under TRITON_INTERPRET=1
 (tests compare it with the torch path in stage.py); serving on a CPU uses the torch path.
-NOT RUN ON A GPU IN CI: scripts/device_check.py --link runs it on one.
+NOT RUN ON A GPU IN CI: scripts/device_link.py runs it on one; attach checks it against the torch path on
+scratch pages before links use it (stage.check_fused).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def available(device: torch.device) -> bool:
 
 
 if triton is not None:
-
-    @triton.jit
+    # Arguments that change from launch to launch are not specialised on (== 1, multiple of 16): each new
+    # combination would compile another variant during the first links (0.5-2 s each on a GPU).
+    @triton.jit(do_not_specialize=["M", "stage_base", "layer0"])
     def _fill_pages(
         tab,  # int64 [TABLE_ROWS, M]: slot, delta, K source, V source, layer stride (bytes), staged
         M,
@@ -68,8 +70,9 @@ if triton is not None:
     ):
         HALF: tl.constexpr = ROT // 2
         t = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] tokens
-        h = tl.program_id(1)
-        li = layer0 + tl.program_id(2)
+        # addresses in int64: h * sh passes 2**31 under vLLM's LHBNC layout (sh = B * N * 2D) on large caches
+        h = tl.program_id(1).to(tl.int64)
+        li = layer0 + tl.program_id(2).to(tl.int64)
         m = t < M
         # table rows: SLOT, DELTA, K_SRC, V_SRC, LSTRIDE, STAGED (literals: the jitted code reads no globals)
         slot = tl.load(tab + 0 * M + t, mask=m, other=0)

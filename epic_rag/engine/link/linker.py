@@ -39,11 +39,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ...policy import Policy
+from ...streams import Streams, streams_for
 from .. import vllm_api
 from ..jobs import LinkJob
 from .layout import KVLayout, host_to_device, slots_for
 from .rope import KeyRotator
-from .stage import FillPlan, make_filler
+from .stage import FillPlan, choose_filler
 
 log = logging.getLogger(__name__)
 
@@ -233,8 +234,16 @@ class Linker:
     # Tensor parallelism: ORs per-request failure flags over the ranks (a request failing its checks on any
     # rank is failed on all, so every rank's pass holds the same requests and their collectives stay in step).
     agree: Callable[[list[bool]], list[bool]] | None = None
-    # The page filler: the fused kernel (True), the torch path (False), or chosen by the layout and device.
+    # The page filler: the fused kernel (True), the torch path (False), or chosen by the layout and device and
+    # the fused kernel's start-up check (None: stage.choose_filler).
     fused: bool | None = None
+    # vLLM's C/CUDA kernels for the layers' eager calls during a pass (vllm_api.link_kernels: under
+    # torch.compile the layers' ops are the native ones, one PyTorch kernel each outside Inductor), switched
+    # back after it; none switched by default (a model that is not vLLM's)
+    layer_kernels: vllm_api.LayerKernels = field(default_factory=vllm_api.LayerKernels)
+    # The device's streams and events (captures record one per capture); None: the cache's device decides
+    # (epic_rag.streams: CUDA's, none on a CPU). Tests pass fakes.
+    streams: Streams | None = None
     # requests per batched recompute pass -> passes run (bounded: at most max_num_seqs sizes)
     batch_sizes: Counter = field(init=False, default_factory=Counter)
 
@@ -242,13 +251,18 @@ class Linker:
         self.layers = vllm_api.decoder_layers(self.model)
         self.attn = [vllm_api.find_attention(layer) for layer in self.layers]
         self._embed = vllm_api.embed_fn(self.model)
+        if self.streams is None:
+            self.streams = streams_for(self.cache_of(0).device)
         first, cache = self.attn[0][2], self.cache_of(0)
         # One layer of one prompt's K/V gathered from its pages (the buffer path, query-<r>'s probe), allocated
         # now and never grown (first-touch page faults on fresh buffers were ~40% of a link on CPU).
         shape = (2, self.workspace_tokens, first.num_kv_heads, first.head_size)
         self._ws = torch.empty(shape, dtype=cache.dtype, device=cache.device)
         caches = [self.cache_of(li) for li in range(len(self.layers))]
-        self.filler = make_filler(self.layout, self.rotator, caches, self.workspace_tokens, self.fused)
+        # the fused filler only where it passed its start-up check (fused=None), else the torch one
+        self.filler, self.filler_check = choose_filler(
+            self.layout, self.rotator, caches, self.workspace_tokens, self.fused
+        )
 
     @property
     def workspace_nbytes(self) -> int:
@@ -312,15 +326,17 @@ class Linker:
         """Run the pass's next decoder layers, all of them, or while `more()` (asked after each layer) says so
         (at least one layer a call). True once every layer has run: its requests' pages are then filled (on a
         GPU: the work is queued on the current stream, ahead of the next forward). An exception leaves the
-        pages of every request of the pass unfilled or partly filled: the caller fails them all."""
+        pages of every request of the pass unfilled or partly filled: the caller fails them all. The decoder
+        layers run vLLM's C/CUDA kernels meanwhile (vllm_api.link_kernels), the previous choice restored after."""
         L = len(self.layers)
-        while p.layer < L:
-            self._layer(p, p.layer)
-            p.layer += 1
-            if p.layer == L and p.probing:  # query-<r>'s probe pass is done: its main pass follows
-                self._main_pass(p)
-            if more is not None and not more():
-                break
+        with self.layer_kernels.active():  # vLLM's own kernels in the layers, whatever the compile mode
+            while p.layer < L:
+                self._layer(p, p.layer)
+                p.layer += 1
+                if p.layer == L and p.probing:  # query-<r>'s probe pass is done: its main pass follows
+                    self._main_pass(p)
+                if more is not None and not more():
+                    break
         if p.layer < L:
             return False
         for s in p.seqs:
@@ -512,26 +528,32 @@ class Linker:
     @torch.inference_mode()
     def capture(
         self, block_ids: list[int], start: int, end: int, k_out: torch.Tensor, v_out: torch.Tensor, at: int
-    ) -> None:
+    ) -> object | None:
         """Copy positions [start, end) of a request's paged KV into k_out/v_out: [L, T, Hkv, D] from index at.
         On a GPU: one gather per layer on the device and an asynchronous copy into k_out/v_out (page-locked
-        host buffers); nothing waits for the device here: `captured` waits once, before a record is stored."""
+        host buffers), then an event recorded after them, returned: `captured` waits for these events alone,
+        not for the whole stream (nothing waits here). None on a CPU (the copies are done on return)."""
         n, device = end - start, self.cache_of(0).device
-        if device.type != "cuda":  # straight into the chunk's buffers: [n, Hkv, D] per layer
+        if self.streams is None:  # straight into the chunk's buffers: [n, Hkv, D] per layer
             for li in range(len(self.layers)):
                 self.layout.read_range_into(
                     self.cache_of(li), block_ids, start, end, k_out[li, at : at + n], v_out[li, at : at + n]
                 )
-            return
+            return None
         slots = host_to_device(slots_for(block_ids, torch.arange(start, end), self.block_size), device)
         for li in range(len(self.layers)):
             k, v = self.layout.read(self.cache_of(li), slots)  # [n, Hkv, D] on the device
-            k_out[li, at : at + n].copy_(k, non_blocking=True)
-            v_out[li, at : at + n].copy_(v, non_blocking=True)
+            self.streams.copy(k_out[li, at : at + n], k)
+            self.streams.copy(v_out[li, at : at + n], v)
+        landed = self.streams.event()
+        landed.record(self.streams.current())
+        return landed
 
-    def captured(self) -> None:
-        """Wait for the captures issued so far to land in their host buffers (a no-op on CPU): once per compiled
-        chunk, before its record is stored."""
-        device = self.cache_of(0).device
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+    @staticmethod
+    def captured(landed: list) -> None:
+        """Wait for the captures whose events are `landed` (capture's returns) to be in their host buffers:
+        once per compiled chunk, before its record is stored. An event per capture, not a stream sync: the work
+        queued on the stream after a capture (a later capture, link layers) is not waited for."""
+        for e in landed:
+            if e is not None:
+                e.synchronize()

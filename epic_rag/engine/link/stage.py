@@ -9,7 +9,10 @@ of its keys. Two fillers carry it out, behind one interface:
   layers at a time (one contiguous copy per record and group, on a side stream, into a two-slot staging
   ring, so the next group's copies overlap this group's recompute; the compute stream waits on events,
   never the host); then ONE fused kernel per group rotates every key and writes K and V into the pages
-  (kernels.py). No host synchronisation anywhere in the layer loop.
+  (kernels.py). No host synchronisation anywhere in the layer loop. Its stream and event calls go through
+  epic_rag.streams (CPU tests replay them on fakes). At attach it must write the torch filler's pages bit
+  for bit on scratch caches like the real ones (check_fused), or links use the torch filler
+  (choose_filler).
 - TorchFiller (CPU; CUDA without Triton): per layer, the rows are copied into a token-major staging buffer,
   keys rotated in place with per-row cos/sin (fp32 arithmetic, one rounding: the same numbers as
   KeyRotator), and the layout writes them with one call (vLLM's own cache-write op on CPU, 4-5x faster
@@ -18,15 +21,25 @@ of its keys. Two fillers carry it out, behind one interface:
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from ...streams import Streams, streams_for
 from . import kernels
 from .layout import KVLayout, host_to_device
 from .rope import KeyRotator
 
+log = logging.getLogger(__name__)
+
 STAGE_SLOTS = 2  # staging ring of the TritonFiller: one group is copied while the other is written
+# A pass's host records are staged in at least this many groups of layers (where it has that many layers):
+# group 0's copy, which no compute overlaps, is then at most 1/8 of the copies (a slot that holds every layer
+# of a small link would copy nearly all of it before layer 0).
+MIN_GROUPS = 8
 _ALIGN = 256  # bytes: staged regions start on this boundary
 
 
@@ -127,9 +140,9 @@ class TorchFiller(Filler):
         if M == 0:
             return
         k, v = self._k[:M], self._v[:M]  # [M, Hkv, D]
-        for s in f.plan.segments:
-            k[s.m0 : s.m0 + s.n].copy_(s.k[li])
-            v[s.m0 : s.m0 + s.n].copy_(s.v[li])
+        for s in f.plan.segments:  # on a GPU: from page-locked records without stalling the host per record
+            k[s.m0 : s.m0 + s.n].copy_(s.k[li], non_blocking=True)
+            v[s.m0 : s.m0 + s.n].copy_(s.v[li], non_blocking=True)
         rotate_rows_(k, f.cos, f.sin, self.rotator.rotary_dim, self.rotator.is_neox)
         self.layout.write(self.caches[li], f.slots, k, v)
 
@@ -171,7 +184,7 @@ class TritonFiller(Filler):
         caches: list[torch.Tensor],
         max_rows: int,
         stage_all: bool = False,
-        streams: bool | None = None,
+        streams: Streams | None = None,
     ) -> None:
         first = caches[0]
         for c in caches:
@@ -191,10 +204,12 @@ class TritonFiller(Filler):
         self.slot_elems = 2 * (max_rows * self.row_elems + len(caches) * _ALIGN)
         self._ring = [torch.empty(self.slot_elems, dtype=first.dtype, device=self.device) for _ in range(STAGE_SLOTS)]
         self._aligned = self._aligned and all(b.data_ptr() % 16 == 0 for b in self._ring)
-        use_streams = self.device.type == "cuda" if streams is None else streams
-        self._copy = torch.cuda.Stream(self.device) if use_streams else None
-        self._ready = [torch.cuda.Event() for _ in range(STAGE_SLOTS)] if use_streams else []
-        self._free = [torch.cuda.Event() for _ in range(STAGE_SLOTS)] if use_streams else []
+        # the copy stream and the ring's events (none on a CPU: work runs in issue order there)
+        self.streams = streams if streams is not None else streams_for(self.device)
+        st = self.streams
+        self._copy = st.stream() if st is not None else None
+        self._ready = [st.event() for _ in range(STAGE_SLOTS)] if st is not None else []  # a slot's copies landed
+        self._free = [st.event() for _ in range(STAGE_SLOTS)] if st is not None else []  # its last kernel read it
         self.launches = 0  # fused kernel launches (counted for tests and benchmarks)
 
     @staticmethod
@@ -220,12 +235,13 @@ class TritonFiller(Filler):
                 k, v = _pinned(k), _pinned(v)
             segs.append(Segment(k, v, s.m0, s.delta))
         staged = [s for s in segs if not self._resident(s.k)]
-        # layers per launch: as many as a staging slot holds (all of them when nothing is staged)
+        # layers per launch: as many as a staging slot holds, in MIN_GROUPS groups at least (all of them when
+        # nothing is staged)
         group = L
         if staged:
             per_layer = sum(s.k.stride(0) for s in staged)
             room = self.slot_elems // 2 - sum(s.n for s in staged) * E - len(staged) * _ALIGN
-            group = max(1, min(L, 1 + room // per_layer))
+            group = max(1, min(L, 1 + room // per_layer, -(-L // MIN_GROUPS)))
         tab = torch.empty((kernels.TABLE_ROWS, plan.num_rows), dtype=torch.int64)
         tab[kernels.SLOT] = plan.row_slots()
         tab[kernels.DELTA] = plan.row_deltas()
@@ -259,16 +275,18 @@ class TritonFiller(Filler):
         l0, l1 = g * f.group, min(L, (g + 1) * f.group)
         buf = self._ring[slot]
         es = self.esize
-        with _on(self._copy):
-            if self._copy is not None:
+        st = self.streams
+        with st.on(self._copy) if st is not None else contextlib.nullcontext():
+            if st is not None:
                 self._copy.wait_event(self._free[slot])  # its last kernel has read it
             for s, off_k, off_v in f.host:
                 for src, off in ((s.k, off_k), (s.v, off_v)):
                     # layers [l0, l1) of the segment's rows as one run of memory (rows contiguous in a layer)
                     count = (l1 - l0 - 1) * src.stride(0) + s.n * self.row_elems
                     flat = torch.as_strided(src, (count,), (1,), src.storage_offset() + l0 * src.stride(0))
-                    buf[off // es : off // es + count].copy_(flat, non_blocking=True)
-            if self._copy is not None:
+                    dst = buf[off // es : off // es + count]
+                    st.copy(dst, flat) if st is not None else dst.copy_(flat)
+            if st is not None:
                 self._ready[slot].record(self._copy)
         f.copied += 1
 
@@ -277,8 +295,8 @@ class TritonFiller(Filler):
             return
         g = li // f.group
         slot = g % STAGE_SLOTS
-        if f.host and self._copy is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._ready[slot])
+        if f.host and self.streams is not None:
+            self.streams.current().wait_event(self._ready[slot])
         cos, sin = self.rotator.tables(self.device)
         kernels.fill_pages(
             f.table,
@@ -295,24 +313,9 @@ class TritonFiller(Filler):
             aligned=f.aligned,
         )
         self.launches += 1
-        if f.host and self._copy is not None:
-            self._free[slot].record(torch.cuda.current_stream(self.device))
+        if f.host and self.streams is not None:
+            self._free[slot].record(self.streams.current())
         self._issue_copies(f)  # the next group's copies overlap this group's recompute
-
-
-class _on:
-    """`with torch.cuda.stream(s)` where s may be None (no side stream: the current one)."""
-
-    def __init__(self, stream) -> None:
-        self.ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
 
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:
@@ -325,14 +328,107 @@ def _round_up(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def make_filler(
+@dataclass(frozen=True, slots=True)
+class FillerCheck:
+    """The start-up check of the fused filler (check_fused), as attach reports it."""
+
+    filler: str  # the filler links use
+    passed: bool | None  # None: not run (the torch filler chosen outright, or the fused one forced)
+    reason: str = ""  # why the fused filler is not used
+    seconds: float = 0.0  # the check's time (mostly Triton's compile of the kernel variants links use)
+
+
+class FillerCheckError(RuntimeError):
+    """The fused filler wrote other pages than the torch filler."""
+
+
+def choose_filler(
     layout: KVLayout, rotator: KeyRotator, caches: list[torch.Tensor], max_rows: int, fused: bool | None = None
-) -> Filler:
-    """The fused kernel where the layout is FlashAttention's and Triton runs (None: decide), else torch."""
+) -> tuple[Filler, FillerCheck]:
+    """The page filler links use. fused=None (the engine): the fused kernel where the layout is FlashAttention's
+    and Triton runs, if it passes its start-up check (check_fused: which also compiles the kernel variants
+    links use), else the torch filler, with one log line saying why: a compile error, a launch error or a
+    page that differs never fails links. True / False force one (no check)."""
     from .layout import FlashAttnLayout
 
-    if fused is None:
-        fused = isinstance(layout, FlashAttnLayout) and kernels.available(caches[0].device)
+    if fused is False or (
+        fused is None and not (isinstance(layout, FlashAttnLayout) and kernels.available(caches[0].device))
+    ):
+        return TorchFiller(layout, rotator, caches, max_rows), FillerCheck("TorchFiller", None)
+    filler = TritonFiller(rotator, caches, max_rows)
     if fused:
-        return TritonFiller(rotator, caches, max_rows)
-    return TorchFiller(layout, rotator, caches, max_rows)
+        return filler, FillerCheck("TritonFiller", None)
+    t0 = time.perf_counter()
+    try:
+        check_fused(filler, layout)
+    except Exception as e:
+        took = time.perf_counter() - t0
+        reason = f"{type(e).__name__}: {e}"[:500]
+        log.warning("the fused link kernel failed its start-up check; links use the torch filler: %s", reason)
+        return TorchFiller(layout, rotator, caches, max_rows), FillerCheck("TorchFiller", False, reason, took)
+    return filler, FillerCheck("TritonFiller", True, seconds=time.perf_counter() - t0)
+
+
+def check_fused(filler: TritonFiller, layout: KVLayout, layers: int = 3) -> None:
+    """The fused filler against the torch filler on scratch caches like the real ones (dtype, device, strides:
+    equal to the real ones where blocks are outermost, FlashAttention's layout; in the same order otherwise):
+    records read where they lie and records staged through a small ring (groups of one layer, both slots, the
+    events on the side stream), with the real caches' alignment, and unaligned where they are aligned; the
+    pages must be equal bit for bit (both round once from fp32, FMA contraction off). Runs the kernel variants
+    links use, so Triton compiles them here, not in the first links. Raises FillerCheckError on a difference;
+    a compile or launch error propagates."""
+    like, rot = filler.caches[0], filler.rotator
+    _, H, N, C = like.shape
+    D, rows = C // 2, 2 * kernels.BLOCK_T + 7  # two whole programs of tokens and a part
+    blocks = -(-rows // N) + 2
+    g = torch.Generator().manual_seed(2024)
+    plan, host = FillPlan(), like.device.type == "cuda"
+    slots = torch.randperm(blocks * N, generator=g)
+    used = 0
+    for n, delta in ((37, min(300, rot.max_position - 1)), (21, -5), (rows - 58, 0)):
+        k, v = (torch.randn(layers, n + 1, H, D, generator=g).to(like.dtype)[:, 1:] for _ in range(2))
+        if host:  # page-locked, as the memory tier holds records
+            k, v = k.pin_memory(), v.pin_memory()
+        plan.add(k, v, delta, slots[used : used + n].sort().values)
+        used += n
+
+    def scratch() -> list[torch.Tensor]:
+        return [_scratch_like(like, blocks) for _ in range(layers)]
+
+    want = scratch()
+    ref = TorchFiller(layout, rot, want, rows)
+    state = ref.begin(plan)
+    for li in range(layers):
+        ref.layer(state, li)
+    cases = [("resident", False, filler._aligned), ("staged", True, filler._aligned)]
+    if filler._aligned:
+        cases.append(("resident, unaligned", False, False))
+    for name, staged, aligned in cases:
+        got = scratch()
+        f = TritonFiller(rot, got, rows, stage_all=staged, streams=filler.streams)
+        f._aligned = f._aligned and aligned  # the variant the real caches get
+        p = FillPlan([_on_device(s, like.device, staged) for s in plan.segments], plan.slots)
+        st = f.begin(p)
+        for li in range(layers):
+            f.layer(st, li)
+        for li, (a, b) in enumerate(zip(got, want)):
+            if not torch.equal(a, b):
+                bad = int((a != b).sum())
+                raise FillerCheckError(
+                    f"{name} records: {bad} page values differ from the torch filler's at layer {li}"
+                )
+
+
+def _on_device(s: Segment, device: torch.device, staged: bool) -> Segment:
+    return s if staged else Segment(s.k.to(device), s.v.to(device), s.m0, s.delta)
+
+
+def _scratch_like(like: torch.Tensor, blocks: int) -> torch.Tensor:
+    """A zeroed cache of `blocks` blocks shaped and strided like `like` ([B, H, N, 2D] view): its exact strides
+    where the blocks are its outermost dim, else its dims in the same memory order."""
+    shape = (blocks, *like.shape[1:])
+    if like.stride(0) == max(like.stride()):
+        return torch.empty_strided(shape, like.stride(), dtype=like.dtype, device=like.device).zero_()
+    order = sorted(range(4), key=lambda i: like.stride(i), reverse=True)  # outermost first
+    phys = torch.zeros([shape[i] for i in order], dtype=like.dtype, device=like.device)
+    return phys.permute([order.index(i) for i in range(4)])
