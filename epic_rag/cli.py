@@ -12,6 +12,7 @@ from collections import Counter
 
 from .corpus import TextChunk, chunk_document, load_documents
 from .models import DEMO_MODEL
+from .policy import DEFAULT_POLICY
 from .redact import redact
 
 _WORD = re.compile(r"[A-Za-z0-9_]+")
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("ask", help="answer a question over documents with linked chunk KV")
     a.add_argument("--question", "-q", required=True)
     a.add_argument("--docs", nargs="+", default=["builtin:pydoc"], help="files, folders or builtin:pydoc (default)")
-    a.add_argument("--policy", default="legolink-16")
+    a.add_argument("--policy", default=DEFAULT_POLICY, help=f"link policy (default {DEFAULT_POLICY})")
     a.add_argument(
         "--compare",
         nargs="*",

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .models import DEFAULT_MODEL
-from .policy import parse_policy
+from .policy import DEFAULT_POLICY, parse_policy
 
 if TYPE_CHECKING:
     from .store import ChunkStore
@@ -53,7 +53,7 @@ class EngineConfig:
     """
 
     model: str = DEFAULT_MODEL
-    policy: str = "legolink-16"
+    policy: str = DEFAULT_POLICY
     store: "str | ChunkStore" = "memory"
     dtype: str = "auto"
     max_model_len: int = 8192

@@ -33,6 +33,11 @@ Form = Literal["epic", "sink"]
 
 SINK_LEN = 1  # sink tokens kept in a chunk's record (the compile lead's first token)
 DEFAULT_LEGOLINK_FORM: Form = "sink"
+# The engine's (and so the integrations' and the demo's) default: the accurate policy, the closest to full's
+# answers measured on the demo's model (docs/benchmarks.md); FAST_POLICY is the fast option, at its measured
+# cost in accuracy.
+DEFAULT_POLICY = "query-20"
+FAST_POLICY = "legolink-16"
 
 
 @dataclass(frozen=True, slots=True)

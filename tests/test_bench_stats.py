@@ -237,6 +237,6 @@ def test_bench_samples_take_one_count_or_a_count_per_task():
     assert samples_per_task(parse_args(["accuracy"]).samples) is None
     assert samples_per_task(parse_args(["accuracy", "--samples", "30"]).samples) == 30
     per = samples_per_task(parse_args(["accuracy", "--samples", "30", "open=12", "niah=15"]).samples)
-    assert per == {"niah": 15, "multidoc": 30, "docsqa": 30, "open": 12}
+    assert per == {"niah": 15, "multidoc": 30, "docsqa": 30, "lookalike": 30, "open": 12}
     with pytest.raises(SystemExit):
         parse_args(["accuracy", "--samples", "weather=3"])

@@ -9,17 +9,13 @@ from pathlib import Path
 
 from epic_rag.models import DEMO_MODEL
 from epic_rag.paths import cache_dir
-from epic_rag.policy import parse_policy
+from epic_rag.policy import DEFAULT_POLICY, parse_policy
 from epic_rag.redact import redact
 
 log = logging.getLogger(__name__)
 
-# The default link policy (each request may pick another): query-aware linking, the measured frontier point for
-# a chat user on the demo's model (1.3 points below full on 150 gold-answer samples, its open-ended answers the
-# closest to full's, at ~1/5 of full's TTFT; legolink-16 is 10 points below, no better than naive:
-# docs/bench/qwen-query, docs/benchmarks.md).
-DEFAULT_POLICY = "query-20"
-
+# The default link policy (each request may pick another) is the engine's, DEFAULT_POLICY: query-aware linking,
+# the closest to full's answers on the demo's model (legolink-16 is 10 points below: docs/benchmarks.md).
 # The policy switch in the page (the API accepts any name epic_rag.policy.parse_policy accepts).
 PAGE_POLICIES = ["query-20", "query-15", "legolink-16", "legolink-0", "naive", "cacheblend-15", "full", "prefix"]
 

@@ -1,10 +1,11 @@
 """Accuracy runner: every policy on the same prompts (paired), temperature 0, resumable from its JSONL file.
 
-Tasks: `niah` and `multidoc` (datasets.py), `docsqa` and `open` (pydocqa.py). The first three have a gold
-answer (accuracy); `open` is scored against `full`'s answer (token F1, Rouge-L) and by how often an answer
-loops (`is_degenerate`). Each (sample, policy) result is one line of <out>/accuracy_rows.jsonl, written as
-it comes; a rerun generates only what is missing. A line counts only for the setup it was made with (model,
-answer length, ROWS_VERSION), so rows from another model or an older harness are never mixed in.
+Tasks: `niah` and `multidoc` (datasets.py), `docsqa` and `open` (pydocqa.py), `lookalike` (lookalike.py).
+All but `open` have a gold answer (accuracy); `open` is scored against `full`'s answer (token F1, Rouge-L) and
+by how often an answer loops (`is_degenerate`). Each (sample, policy) result is one line of
+<out>/accuracy_rows.jsonl, written as it comes; a rerun generates only what is missing. A line counts only for
+the setup it was made with (model, dtype, answer length, ROWS_VERSION), so rows from another model or an older
+harness are never mixed in.
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ from ..policy import parse_policy
 from ..prompt import render_request
 from ..types import RagRequest
 from .datasets import Sample, multidoc_samples, needle_samples
+from .lookalike import lookalike_samples
 from .metrics import first_line, is_degenerate, name_match, rouge_l, substring_match, token_f1
 from .stats import mean_ci, paired_diff, proportion
 
-TASKS = ("niah", "multidoc", "docsqa", "open")
-SCORED = ("niah", "multidoc", "docsqa")  # tasks with a gold answer
+TASKS = ("niah", "multidoc", "docsqa", "lookalike", "open")
+SCORED = ("niah", "multidoc", "docsqa", "lookalike")  # tasks with a gold answer
 TASK_TITLES = {
     "niah": "Needle in a haystack",
     "multidoc": "Multi-document QA (hard-needle)",
     "docsqa": "Docs-QA (pydoc functions)",
+    "lookalike": "Look-alike records (one of many records of one shape)",
     "open": "Open-ended (demo questions)",
 }
 # Both LegoLink forms, the sink-only link, and the baselines they must be told apart from.
@@ -79,6 +82,9 @@ def build_samples(
             out += multidoc_samples(tokenizer, n=n, **kw, **({"seed": DEV_SEED} if dev else {}))
         elif task == "docsqa":
             out += docsqa_samples(tokenizer, n, modules, from_end=dev)
+        elif task == "lookalike":
+            kw = dict(chunks=3, chunk_tokens=96, records=2) if quick else {}
+            out += lookalike_samples(tokenizer, n=n, seed=DEV_SEED if dev else 300, **kw)
         elif task == "open":
             out += open_samples(tokenizer, n, modules, from_end=dev)
         else:
@@ -96,6 +102,7 @@ def _score(s: Sample, text: str) -> dict:
     return {"substring": hit, "f1": token_f1(pred, s.answer), "rouge_l": rouge_l(pred, s.answer)}
 
 
+OLD_DTYPE = "float32"  # rows written before the dtype was recorded ran in fp32
 OLD_COMPILE = "sink1"  # rows written before the compile form was recorded linked chunks compiled this way
 
 
@@ -117,6 +124,7 @@ def load_rows(out: Path, setup: dict, compile_variant: str = OLD_COMPILE) -> tup
                 continue
             r = json.loads(line)
             made = r.get("setup") or {}
+            made = {"dtype": OLD_DTYPE} | made
             if parse_policy(r["policy"]).links_chunks:
                 made = {"compile": OLD_COMPILE} | made
             if r.get("task") in setup and made == row_setup(setup, r["task"], r["policy"], compile_variant):
@@ -141,7 +149,12 @@ def run_accuracy(
 
     model = Path(str(engine.model_dir)).name
     setup = {
-        t: {"model": model, "max_tokens": open_max_tokens if t == "open" else max_tokens, "version": ROWS_VERSION}
+        t: {
+            "model": model,
+            "max_tokens": open_max_tokens if t == "open" else max_tokens,
+            "version": ROWS_VERSION,
+            "dtype": str(engine.dtype),
+        }
         for t in TASKS
     }
     variant = engine.chunks.variant

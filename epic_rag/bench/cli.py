@@ -70,7 +70,7 @@ def run(args: argparse.Namespace, engine=None) -> Path:
         )
         config = EngineConfig(
             model=args.model,
-            dtype="float32",
+            dtype=args.dtype,
             compile_lead=args.compile_lead,
             async_links=not args.sync_links,
             **size,
@@ -165,7 +165,13 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--model",
         default="smollm2-135m-instruct",
-        help="smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, or a local model folder (run in float32)",
+        help="smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, or a local model folder",
+    )
+    b.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the engine's dtype (bfloat16: fast on CPUs with AMX only); tables and rows record it",
     )
     b.add_argument(
         "--policies",

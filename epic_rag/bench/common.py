@@ -35,9 +35,14 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    try:
+        amx = "amx_bf16" in open("/proc/cpuinfo").read()
+    except OSError:
+        amx = False
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu,
+        "amx_bf16": amx,
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "commit": commit,
