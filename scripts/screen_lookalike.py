@@ -1,0 +1,226 @@
+"""Dev-split screening: why look-alike lookups fail under linking, and which recompute sets fix them (not shipped).
+
+Each variant replaces query-<r>'s picks (Linker._query_picks; the probe pass, its scores and the main pass are
+the engine's own) with another recompute set, and every (sample, variant) is answered greedily, 12 tokens,
+scored by substring; `full` runs once per sample. Variants, as `name@r` (r: the percentage of chunk tokens):
+- base: the engine's picks (the top r % by the attention the question gives each token, summed over layers);
+- nosink: the same with punctuation/whitespace-only tokens never picked (they draw most of the attention);
+- win-nosink: windows of +-6 tokens around the best-scored tokens until the budget is spent;
+- lex-nosink, lex-win-nosink: first the tokens matching the question's (+-4 around each match);
+- after[-max]: the top r % by score among the tokens of the chunk the question attends to most (summed or max
+  score, sinks left out) and the chunks after it;
+- oracles, told where the asked record is: chunks:home, chunks:look, chunks:home+look, chunks:nothome,
+  chunks:after, chunks:before (whole chunks recomputed: the asked record's chunk, its look-alike's, both, every
+  other chunk, the chunks after it, before it; the budget r is ignored), records:all / records:after (every
+  sentence or table row holding a digit: the records, in all chunks / in the chunks after the asked record's).
+With --filler, chunks are compiled behind the template and a neutral filler document ("Document 1", about 280
+tokens; the chunk is then "Document 2") instead of the template alone, and each variant is a plain policy name
+(naive, query-20): does KV computed "not as the first document" link better?
+Results: docs/bench/qwen-frontier/lookalike-dev.md.
+
+    .venv/bin/python scripts/screen_lookalike.py --dtype bfloat16 --tasks lookalike --samples 40 \
+        --variants base@20 nosink@20 chunks:after@20 --out docs/bench/qwen-frontier/dev/screen.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import uuid
+from pathlib import Path
+
+import torch
+
+from epic_rag import EngineConfig, EpicEngine
+from epic_rag.bench.accuracy import _score, build_samples, sample_segments
+from epic_rag.engine.link.linker import Linker
+
+CUR: dict = {}  # the variant under way and the sample's facts (what the oracles are told)
+FILLER = (
+    "The report below collects notes from several teams. Each section was written separately and later "
+    "gathered into one place, so the style changes from part to part. Some sections describe routine "
+    "matters such as schedules, rooms and supplies, while others list facts that readers may need to look "
+    "up later. Readers are expected to skim most of it and return to the parts that matter to them. Where "
+    "a section refers to a person, a product or a service, the name is given in full, and numbers are "
+    "written as digits. Nothing in this collection is confidential, and it may be shared within the "
+    "organisation. Corrections can be sent to the editor, who updates the collection once a month. "
+) * 2
+
+
+def lead_with_filler(tokenizer, kind: str = "template") -> list[int]:
+    """The template up to its second document, the first holding FILLER (glue tokens, as the prompt's)."""
+    from epic_rag.prompt import encode_glue, render_request
+    from epic_rag.types import RagRequest
+
+    ids, seen = [], 0
+    for seg in render_request(tokenizer, RagRequest(question="?", chunks=[FILLER, "?"])):
+        if isinstance(seg, str):
+            ids += encode_glue(tokenizer, seg)
+            continue
+        seen += 1
+        if seen == 2:
+            break
+        ids += encode_glue(tokenizer, FILLER)
+    return ids
+
+
+def _sinkish(tok) -> torch.Tensor:
+    """[vocab] bool: tokens without a letter or digit (punctuation, whitespace, newlines)."""
+    out = torch.zeros(len(tok), dtype=torch.bool)
+    for i in range(len(tok)):
+        out[i] = not any(c.isalnum() for c in tok.decode([i]))
+    return out
+
+
+def _whole_chunks(var: str, spans, chosen) -> None:
+    h = CUR["home"]
+    named = {
+        "home": [h],
+        "look": [CUR["look"]] if CUR["look"] is not None else [],
+        "nothome": [i for i in range(len(spans)) if i != h],
+        "after": [i for i in range(len(spans)) if i > h],
+        "before": [i for i in range(len(spans)) if i < h],
+    }
+    for part in var.split(":")[1].split("+"):
+        for i in named[part]:
+            sp = spans[i]
+            chosen[sp.start : sp.start + sp.kv.num_tokens] = True
+
+
+def _records(var: str, tok, job, spans, T: int) -> torch.Tensor:
+    """Tokens of a sentence or table row that holds a digit, in the chunks the variant names."""
+    text = [tok.decode([t]) for t in job.token_ids]
+    seg, sid = [], 0
+    for t in text:
+        seg.append(sid)
+        if "\n" in t or t.strip().endswith("."):
+            sid += 1
+    digit = {seg[i] for i, t in enumerate(text) if any(c.isdigit() for c in t)}
+    mask = torch.tensor([seg[i] in digit for i in range(T)])
+    allow = torch.zeros(T, dtype=torch.bool)
+    for i, sp in enumerate(spans):
+        if var.endswith(":all") or (var.endswith(":after") and i > CUR["home"]):
+            allow[sp.start : sp.start + sp.kv.num_tokens] = True
+    return mask & allow
+
+
+def _fill_windows(chosen, cand, sc, left: int, T: int, w: int = 6) -> None:
+    order = torch.argsort(torch.where(chosen, torch.tensor(-9.0), sc), descending=True).tolist()
+    for p in order:
+        if left <= 0 or sc[p] < 0:
+            return
+        lo, hi = max(0, p - w), min(T, p + w + 1)
+        seg = cand[lo:hi] & ~chosen[lo:hi]
+        k = int(seg.sum())
+        if k > left:
+            chosen[torch.nonzero(seg).flatten()[:left] + lo] = True
+            return
+        chosen[lo:hi] |= cand[lo:hi]
+        left -= k
+
+
+def make_picks(tok):
+    sinkish = _sinkish(tok)
+
+    def picks(self, s):
+        var, job, a0 = CUR["v"], s.load.job, s.load.start
+        T = len(job.token_ids)
+        score = (s.score if s.score is not None else torch.zeros(T)).float().cpu()
+        cand = s.candidate.clone()
+        cand[:a0] = False
+        keep = ~s.cached
+        keep[:a0] = False
+        n_pick = int(round(job.policy.ratio * int(cand.sum())))
+        ids = torch.tensor(job.token_ids)
+        sc = score.clone()
+        if "nosink" in var:
+            sc[sinkish[ids]] = -1
+        sc[~cand] = -2
+        chosen = torch.zeros(T, dtype=torch.bool)
+        spans = [sp for sp in job.spans if not sp.exact]
+        if var.startswith("chunks:"):
+            _whole_chunks(var, spans, chosen)
+            return torch.nonzero(keep | (chosen & cand)).flatten()
+        if var.startswith("records"):
+            return torch.nonzero(keep | (_records(var, tok, job, spans, T) & cand)).flatten()
+        if var.startswith("after"):
+            scn = score.clone()
+            scn[sinkish[ids]] = 0
+            pool = [scn[sp.start : sp.start + sp.kv.num_tokens] for sp in spans]
+            mass = [float(p.max() if var == "after-max" else p.sum()) for p in pool]
+            a = max(range(len(spans)), key=lambda i: mass[i])
+            allow = torch.zeros(T, dtype=torch.bool)
+            for sp in spans[a:]:
+                allow[sp.start : sp.start + sp.kv.num_tokens] = True
+            k = min(n_pick, int((allow & cand).sum()))
+            if k:
+                chosen[torch.topk(torch.where(allow & cand, sc, torch.tensor(-3.0)), k).indices] = True
+        elif "lex" in var:
+            q = {t for t in job.tail if not sinkish[t]}
+            for p in torch.nonzero(torch.tensor([t in q for t in job.token_ids]) & cand).flatten().tolist():
+                chosen[max(0, p - 4) : p + 5] = True
+            chosen &= cand
+            if int(chosen.sum()) > n_pick:  # the best-scored of them
+                top = torch.topk(torch.where(chosen, score, torch.tensor(-5.0)), n_pick).indices
+                chosen[:] = False
+                chosen[top] = True
+        left = n_pick - int(chosen.sum())
+        if "win" in var and left > 0:
+            _fill_windows(chosen, cand, sc, left, T)
+        elif left > 0:
+            chosen[torch.topk(torch.where(chosen, torch.tensor(-9.0), sc), left).indices] = True
+        return torch.nonzero(keep | (chosen & cand)).flatten()
+
+    return picks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tasks", nargs="+", default=["lookalike"])
+    ap.add_argument("--samples", type=int, default=40)
+    ap.add_argument("--variants", nargs="+", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--filler", action="store_true", help="compile behind the template and a filler document")
+    a = ap.parse_args()
+    if a.filler:
+        import epic_rag.engine.engine as engine_module
+
+        engine_module.compile_lead = lead_with_filler
+    eng = EpicEngine(
+        EngineConfig(model="qwen2.5-coder-0.5b-instruct", dtype=a.dtype, max_model_len=8192, kv_cache_gib=4)
+    )
+    tok = eng.tokenizer
+    Linker._query_picks = make_picks(tok)
+    samples = build_samples(tok, {t: a.samples for t in a.tasks}, tasks=tuple(a.tasks), split="dev")
+    done = set()
+    if a.out.exists():
+        done = {(r["id"], r["variant"]) for r in map(json.loads, a.out.read_text().splitlines())}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    with a.out.open("a") as f:
+        for s in samples:
+            eng.compile(list(s.chunks))
+            segs = sample_segments(tok, s)
+            for v in ([] if a.filler else ["full"]) + a.variants:
+                if (s.id, f"filler/{v}" if a.filler else v) in done:
+                    continue
+                if a.filler:
+                    g = eng.generate(segs, max_tokens=12, policy=v, cache_salt=uuid.uuid4().hex)
+                    v = f"filler/{v}"
+                elif v == "full":
+                    g = eng.generate(segs, max_tokens=12, policy="full")
+                else:
+                    name, r = v.split("@")
+                    looks = s.meta.get("lookalike_values") or []
+                    look = next((i for i, c in enumerate(s.chunks) if looks and looks[0] in c), None)
+                    CUR.update(v=name, home=s.meta.get("home_chunk"), look=look)
+                    g = eng.generate(segs, max_tokens=12, policy=f"query-{r}", cache_salt=uuid.uuid4().hex)
+                row = {"id": s.id, "task": s.task, "variant": v, "ok": _score(s, g.text)["substring"]}
+                row |= {"pred": g.text[:40], "rec": g.recomputed_tokens, "ttft": g.ttft_s}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+    eng.shutdown()
+
+
+if __name__ == "__main__":
+    main()
