@@ -31,7 +31,7 @@ def test_quick_bench_writes_every_policy_for_every_part(smol_engine, tmp_path):
     assert all(r["n"] == acc["n_samples"] for r in acc["summary"])
     # every task, paired against full, with intervals; the open-ended task scored against full's answers
     assert acc["samples_per_task"] == {t: QUICK_SAMPLES for t in TASKS}
-    assert list(acc["tasks"]) == ["niah", "multidoc", "docsqa", "overall"]
+    assert list(acc["tasks"]) == ["niah", "multidoc", "docsqa", "lookalike", "overall"]
     for rows in acc["tasks"].values():
         assert [r["policy"] for r in rows] == ACCURACY_POLICIES
         assert all(r["acc_low"] <= r["acc"] <= r["acc_high"] for r in rows)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 
 import httpx
 import openai
@@ -114,7 +115,7 @@ def test_policy_switch_changes_what_is_linked(client):
             model="smollm2-135m-instruct",
             max_tokens=4,
             messages=[{"role": "user", "content": QUESTION}],
-            extra_body={"policy": policy},
+            extra_body={"policy": policy, "cache_salt": uuid.uuid4().hex},  # linked anew, not found cached
         )
         return r.model_extra["epic"]
 

@@ -84,6 +84,8 @@ class _Generate(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     sampling_top_k: StrictInt | None = Field(default=None, ge=-1)
+    # vLLM's prefix-cache namespace (under the engine's tenant): requests that send none share it
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=256)
     # OpenAI's {"type": "json_object" | "json_schema" | "text"}: decoding constrained by vLLM's structured outputs
     response_format: dict[str, Any] | None = None
     # epic-rag extension
@@ -116,7 +118,7 @@ class _Generate(BaseModel):
 
     def _check_text(self, texts: list[tuple[str, str | None]]) -> None:
         """JSON may escape lone surrogates ("\\ud800"): not text; tokenizers raise TypeError on them."""
-        texts = texts + [("model", self.model), ("policy", self.policy)]
+        texts = texts + [("model", self.model), ("policy", self.policy), ("cache_salt", self.cache_salt)]
         texts += [("stop", s) for s in self.stop_list or []]
         for where, s in texts:
             try:
@@ -146,6 +148,7 @@ class _Generate(BaseModel):
             "repetition_penalty": self.repetition_penalty,
             "logprobs": self.engine_logprobs(),
             "response_format": self.response_format,
+            "cache_salt": self.cache_salt,
         }
         return {k: v for k, v in opts.items() if v is not None}
 

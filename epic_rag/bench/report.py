@@ -15,9 +15,9 @@ TASK_NOTES = {
     "scored by substring.",
     "docsqa": "Which function of module M is described by a docstring's first sentence: a run of M's pydoc "
     "FUNCTIONS entries among 3 runs from other modules, in random order; scored by the function's name.",
-    "lookalike": "Look-alike records: office notes (5 chunks of ~270 tokens) with 4 records of one shape each "
-    "(staff extensions, part prices, service ports, API timeouts; as prose or as a table), the asked record's "
-    "near-duplicates in other chunks; scored by substring.",
+    "lookalike": "Look-alike records: office notes (5 chunks of ~270 tokens) with 2 records of one shape each "
+    "(staff extensions, part prices, service ports, API timeouts; as prose or as a table), a look-alike of the "
+    "asked record's key in another chunk; scored by substring.",
     "open": "Demo-style questions (How do I ...? / What does M.f do?) over the top 4 of 256-token pydoc chunks "
     "by MiniLM + FAISS, as the demo retrieves; each answer scored against full's.",
 }
