@@ -346,3 +346,104 @@ def test_the_default_trace_follows_the_issue_and_fits_its_time():
     assert 4 * s.max_minutes * s.cut_after <= 40 and s.hit_window_s <= s.max_minutes * 60 / 4
     assert T.trace_length(s) >= 1 + s.unloaded_requests + s.max_steps * s.max_requests
     assert math.isclose(sum(T.zipf_weights(s.chunks, s.zipf_s)), 1.0)
+
+
+# ---------------------------------------------------------------------- report
+def _policy_run(policy, steps, unloaded_ttft, cached_share, linked=True):
+    """A policy's entry of trace.json: sweep rows (offered, completed req/s), its requests' cache figures."""
+    rows = [
+        {
+            "policy": policy,
+            "step": i,
+            "rate": off,
+            "requests": 8,
+            "completed": 8,
+            "errors": 0,
+            "cut": 0,
+            "offered_rps": off,
+            "completed_rps": done,
+            "ttft_p50_s": 1.0,
+            "ttft_p99_s": 2.0,
+            "itl_p50_s": 0.05,
+            "itl_p99_s": 0.1,
+            "e2e_p50_s": 3.0,
+            "e2e_p99_s": 4.0,
+            "dispatch_lag_max_s": 0.001,
+            "saturated": None if done >= 0.8 * off else "throughput",
+        }
+        for i, (off, done) in enumerate(steps)
+    ]
+    reqs = [
+        _req(20 * i, 1600, int(1600 * cached_share), 6 if linked else 0, 0, turn=i % 3 == 2) | {"i": i}
+        for i in range(24)
+    ]
+    windows = R.hit_windows(reqs, 60.0)
+    unloaded = {"ttft_p50_s": unloaded_ttft, "ttft_p99_s": 2 * unloaded_ttft, "itl_p99_s": 0.1}
+    ok = [r for r in reqs if r["status"] == "ok"]
+    return {
+        "unloaded": unloaded,
+        "rows": rows,
+        "ended_by": "saturation",
+        "sent": list(range(24)),
+        "hit_rates": {
+            "all": R._rates(ok),
+            "first_turns": R._rates([r for r in ok if not r["turn"]]),
+            "follow_ups": R._rates([r for r in ok if r["turn"]]),
+        },
+        "windows": windows,
+        "steady": [R.steadiness(windows, k, 60.0, 0.05) for k in R.RATES],
+    }
+
+
+def _trace_data():
+    per = {
+        # every sweep saturated at its first step: no half-saturation figure anywhere (a short run's case)
+        "prefix": _policy_run("prefix", [(0.125, 0.08)], 6.0, 0.2, linked=False),
+        "query-20": _policy_run("query-20", [(0.25, 0.1)], 2.0, 0.3),
+        "full": _policy_run("full", [(0.125, 0.05)], 7.0, 0.0, linked=False),
+    }
+    answers = {"prefix": ["a b", "c"], "query-20": ["a b", "d"], "full": ["a b", "c"]}
+    rows = [{"linked": _f(0.5, 1280, 100), "exact": _f(0.45, 1280), "cold": _f(2.0, 0, 400)}]
+    follow = {"policy": "query-20", "rows": [{**rows[0], "conversation": 3}], **R.followup_summary(rows)}
+    agree = {"requests": [{"i": 0, "turn": 0}, {"i": 5, "turn": 1}], "answers": answers}
+    agree["rows"] = [r | {"prefix_cached_tokens": 0} for r in R.agreement_rows(answers)]
+    summary = R.summarize(per)
+    return {
+        "command": "epic-rag bench trace",
+        "machine": {"cpu": "CPU", "cores": 2, "date": "d", "commit": "c"},
+        "model": "qwen (float32)",
+        "dtype": "float32",
+        "settings": dataclasses.asdict(TraceSettings()),
+        "accurate_policy": "query-20",
+        "policies": per,
+        "trace": {"digest": "x", "chunks": 300, "follow_up_share": 0.28, "mean_chunks_per_request": 6.0},
+        "workload_s": 30.0,
+        "compile_s": 200.0,
+        "total_s": 2400.0,
+        "rows": [r for d in per.values() for r in d["rows"]],
+        "summary": summary,
+        "agreement": agree,
+        "followups": follow,
+        "targets": R.targets(summary, per, agree, follow, "query-20"),
+    }
+
+
+def test_the_report_prints_the_targets_summary_hit_rates_and_a_picture_even_where_a_figure_is_missing(tmp_path):
+    from epic_rag.bench.trace_report import trace_markdown, trace_plot
+
+    data = _trace_data()
+    by = {r["policy"]: r for r in data["summary"]}
+    assert all(r["half_ttft_p50_s"] is None for r in data["summary"])
+    assert by["query-20"]["vs_prefix"] == pytest.approx(1.25)
+    assert by["prefix"]["store_hit_rate"] is None and by["query-20"]["prefix_hit_rate"] == pytest.approx(0.3)
+    plot = trace_plot(tmp_path, data)
+    assert plot == "trace.png" and (tmp_path / plot).stat().st_size > 10_000
+    md = trace_markdown(data, plot)
+    assert "Command: `epic-rag bench trace`" in md and "dtype float32" in md
+    assert "| query-20 saturated req/s >= 2x prefix's | 1.25x | **NO** |" in md
+    assert "| query-20 TTFT p50 (one request at a time) <= 0.5x prefix's | 0.33x | yes |" in md
+    assert "first lines equal >= 98 %) | 50.0 % | **NO** |" in md
+    assert "| query-20 | 0.100 | 1.25x |" in md and "| prefix | 0.080 | 1.00x |" in md
+    assert "| full | 0-60 | 3 | 0.0 % | n/a |" in md and "| query-20 | 0-60 | 3 | 30.0 % | 100.0 % |" in md
+    assert "## Agreement with full" in md and "| query-20 | 2 | 50.0 % |" in md
+    assert "| 3 | 1500 | 0.500 (1280 cached, 100 recomp.) |" in md and "![trace.png](trace.png)" in md

@@ -220,13 +220,16 @@ def trace_plot(out: Path, data: dict) -> str | None:
         return None
     out.mkdir(parents=True, exist_ok=True)
     pols = [r["policy"] for r in summary]
+    x = list(range(len(pols)))  # numeric positions: a policy without a figure leaves a gap, not an error
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     (thr, ttft), (pc, st) = axes
-    thr.bar(pols, [r["saturated_rps"] or 0.0 for r in summary], color="tab:blue")
+    thr.bar(x, [r["saturated_rps"] or 0.0 for r in summary], color="tab:blue")
     thr.set_ylabel("completed req/s at saturation")
     thr.set_title("Throughput")
-    ttft.bar(pols, [r["unloaded_ttft_p50_s"] for r in summary], color="tab:orange", label="one at a time")
-    ttft.scatter(pols, [r["half_ttft_p50_s"] or float("nan") for r in summary], color="k", label="half sat.", zorder=3)
+    ttft.bar(x, [r["unloaded_ttft_p50_s"] for r in summary], color="tab:orange", label="one at a time")
+    half = [(i, v) for i, r in zip(x, summary) if (v := r["half_ttft_p50_s"]) is not None and v == v]
+    if half:
+        ttft.scatter(*zip(*half), color="k", label="half sat.", zorder=3)
     ttft.set_ylabel("TTFT p50 (s)")
     ttft.set_title("Time to first token")
     ttft.legend(fontsize=7)
@@ -247,6 +250,8 @@ def trace_plot(out: Path, data: dict) -> str | None:
         ax.set_title(f"{name} over time")
         ax.set_ylim(-2, 102)
         ax.legend(fontsize=7)
+    for ax in (thr, ttft):
+        ax.set_xticks(x, pols)
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.tick_params(axis="x", labelsize=8)

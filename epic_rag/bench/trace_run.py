@@ -37,7 +37,7 @@ from functools import partial
 from pathlib import Path
 
 from . import load as LD
-from .common import command_line, machine, median, write
+from .common import command_line, machine, median, save_json, write
 from .metrics import first_line, normalize_answer, token_f1
 from .trace import (
     ACCURATE_POLICY,
@@ -421,15 +421,6 @@ def run(
     scored = sorted((r for c in convs[: s.scored] for r in c), key=lambda r: r.index)
     pairs = [c[:2] for c in convs if len(c) >= 2][: s.followups]
     per: dict[str, dict] = {}
-    with tqdm(desc="trace", disable=not progress) as bar:
-        for p in policies:
-            per[p] = run_policy(engine, p, trace, texts, s, bar)
-        t2 = time.perf_counter()
-        agree = agreement(engine, scored, texts, policies, s, bar)
-        t3 = time.perf_counter()
-        follow = followup_turns(engine, pairs, texts, accurate, s, bar)
-        t4 = time.perf_counter()
-    summary = summarize(per)
     data = {
         "command": command_line(),
         "machine": machine(),
@@ -437,6 +428,7 @@ def run(
         "dtype": engine.dtype,
         "settings": dataclasses.asdict(s),
         "accurate_policy": accurate,
+        "complete": False,  # trace.json is saved after each phase: a run cut short keeps what it measured
         "policies": per,
         "trace": {
             "digest": trace_digest(trace),
@@ -448,15 +440,27 @@ def run(
         },
         "workload_s": workload_s,
         "compile_s": compile_s,
-        "agreement_s": t3 - t2,
-        "followups_s": t4 - t3,
-        "total_s": time.perf_counter() - t0,
-        "rows": [r for d in per.values() for r in d["rows"]],
-        "summary": summary,
-        "agreement": agree,
-        "followups": follow,
-        "targets": targets(summary, per, agree, follow, accurate, s.steady_after_s),
     }
+    with tqdm(desc="trace", disable=not progress) as bar:
+        for p in policies:
+            per[p] = run_policy(engine, p, trace, texts, s, bar)
+            save_json(out, "trace", data)
+        t2 = time.perf_counter()
+        agree = agreement(engine, scored, texts, policies, s, bar)
+        data.update(agreement=agree, agreement_s=time.perf_counter() - t2)
+        save_json(out, "trace", data)
+        t3 = time.perf_counter()
+        follow = followup_turns(engine, pairs, texts, accurate, s, bar)
+        data.update(followups=follow, followups_s=time.perf_counter() - t3)
+    summary = summarize(per)
+    data.update(
+        complete=True,
+        total_s=time.perf_counter() - t0,
+        rows=[r for d in per.values() for r in d["rows"]],
+        summary=summary,
+        targets=targets(summary, per, agree, follow, accurate, s.steady_after_s),
+    )
+    save_json(out, "trace", data)  # before the picture: the figures stay whatever happens to it
     plot = trace_plot(out, data)
     write(out, "trace", data, trace_markdown(data, plot))
     return data
