@@ -200,7 +200,7 @@ def trace_markdown(data: dict, plot: str | None) -> str:
         "",
         "## Every step",
         "",
-        *steps_table(data["rows"]),
+        *(steps_table(data["rows"]) if data["rows"] else ["(no sweep step fitted in its budget)"]),
         "",
     ]
     if plot:
