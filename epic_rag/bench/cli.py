@@ -1,9 +1,11 @@
-"""`epic-rag bench {link,store,accuracy,sync,load,scaling,serve,all,report}` with `--quick` for CI smoke tests.
+"""`epic-rag bench {link,store,accuracy,sync,load,scaling,serve,trace,all,report}` with `--quick` for CI smoke
+tests.
 
 Every part writes `<out>/<part>.json` and Markdown into `--out` (default docs/bench for SmolLM2,
 docs/bench/qwen for Qwen2.5-Coder-0.5B): link.md, store.md, load.md (+ throughput_vs_rate.png,
-itl_vs_rate.png) and accuracy.md (+ accuracy.png) for those parts; the comparisons (accuracy, sync, load,
-scaling) one report, README.md, with meta.json (model, machine, the commands that made them) and plots.
+itl_vs_rate.png), trace.md (+ trace.png) and accuracy.md (+ accuracy.png) for those parts; the comparisons
+(accuracy, sync, load, scaling) one report, README.md, with meta.json (model, machine, the commands that made
+them) and plots.
 `async` is the load part's former name, kept as an alias.
 """
 
@@ -13,6 +15,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from ..policy import parse_policy
 from .accuracy import (
     ACCURACY_POLICIES,
     DEFAULT_SAMPLES,
@@ -23,10 +26,22 @@ from .accuracy import (
 )
 from .common import DEFAULT_OUT, MODEL_OUT, default_out
 from .load import QUICK_SETTINGS, LoadSettings
+from .trace import ACCURATE_POLICY, TraceSettings
+from .trace import QUICK_SETTINGS as TRACE_QUICK
 
 PARTS = ["link", "store", "accuracy", "sync", "load", "scaling"]
 ALIASES = {"async": "load"}  # former part names
 REPORTED = {"accuracy", "sync", "load", "scaling"}  # the parts docs/bench/README.md reports
+DEFAULT_MODEL = "smollm2-135m-instruct"
+PART_MODEL = {"trace": "qwen2.5-coder-0.5b-instruct"}  # parts whose default model is the demo's
+# The trace's own options: flag -> (TraceSettings field, type, what it sets)
+TRACE_OPTIONS = {
+    "--trace-chunks": ("chunks", int, "corpus chunks, embedded and compiled"),
+    "--zipf": ("zipf_s", float, "Zipf exponent of topic popularity, 0: uniform"),
+    "--follow-share": ("follow_share", float, "share of requests that are follow-up turns"),
+    "--scored": ("scored", int, "conversations answered by every policy and compared with full's answers"),
+    "--followups": ("followups", int, "two-turn conversations of the follow-up TTFT measurement"),
+}
 QUICK = dict(
     contexts=(256, 512),
     chunk_tokens=128,
@@ -53,8 +68,10 @@ def run(args: argparse.Namespace, engine=None) -> Path:
     from .common import command_line, load_json, machine, save_json
     from .report import write_report
 
-    out = Path(args.out) if args.out else default_out(args.model)
     what = ALIASES.get(args.what, args.what)
+    args.model = args.model or PART_MODEL.get(what, DEFAULT_MODEL)
+    out = Path(args.out) if args.out else default_out(args.model)
+    trace_s = trace_settings(args) if what == "trace" else None  # checked before an engine starts
     if what == "serve":  # runs its own engines and server, one per process
         from . import serve
 
@@ -93,7 +110,7 @@ def run(args: argparse.Namespace, engine=None) -> Path:
             out,
             model,
             chunks=QUICK["link_chunks"] if q else args.chunks,
-            chunk_tokens=QUICK["link_chunk_tokens"] if q else args.chunk_tokens,
+            chunk_tokens=QUICK["link_chunk_tokens"] if q else args.chunk_tokens or 512,
             reps=QUICK["reps"] if q else args.reps or 5,
             policies=pols,
             rounds=QUICK["link_rounds"] if q else 3,
@@ -106,7 +123,7 @@ def run(args: argparse.Namespace, engine=None) -> Path:
             model,
             loads=QUICK["loads"] if q else args.loads,
             compiles=QUICK["compiles"] if q else args.compiles,
-            chunk_tokens=QUICK["store_chunk_tokens"] if q else args.chunk_tokens,
+            chunk_tokens=QUICK["store_chunk_tokens"] if q else args.chunk_tokens or 512,
             release=own and what == "store",
         )
     if "accuracy" in parts:
@@ -135,6 +152,18 @@ def run(args: argparse.Namespace, engine=None) -> Path:
         save_json(out, "sync", rows)
     if "load" in parts:
         LD.run(engine, out, model, policies=pols, settings=load_settings(args), progress=progress)
+    if "trace" in parts:
+        from . import trace_run
+
+        trace_run.run(
+            engine,
+            out,
+            model,
+            policies=pols,
+            accurate=args.accurate_policy,
+            settings=trace_s,
+            progress=progress,
+        )
     if "scaling" in parts:
         kw = dict(counts=QUICK["counts"], chunk_tokens=QUICK["scaling_chunk_tokens"], reps=1) if q else {}
         rows = L.scaling(engine, policies=tuple(pols or L.LOAD_POLICIES), progress=progress, **kw)
@@ -148,11 +177,13 @@ def run(args: argparse.Namespace, engine=None) -> Path:
 def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "what",
-        choices=[*PARTS, *ALIASES, "serve", "all", "report"],
+        choices=[*PARTS, *ALIASES, "serve", "trace", "all", "report"],
         nargs="?",
         default="all",
-        help="all: every part but serve; serve: the embedded engine vs its core in its own process vs "
-        "`vllm serve` (serve.md); report: rewrite README.md from the results in --out",
+        help="all: every part but serve and trace; serve: the embedded engine vs its core in its own process vs "
+        "`vllm serve` (serve.md); trace: a RAG trace (Zipf-popular topics, top-k retrieval, follow-up turns) "
+        "through prefix caching, the accurate policy, legolink-16 and full (trace.md); report: rewrite README.md "
+        "from the results in --out",
     )
     b.add_argument("--quick", action="store_true", help="tiny settings: a smoke test of the harness")
     b.add_argument(
@@ -164,8 +195,10 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument(
         "--model",
-        default="smollm2-135m-instruct",
-        help="smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, or a local model folder",
+        default=None,
+        help=f"smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, or a local model folder (default {DEFAULT_MODEL}; "
+        + ", ".join(f"{part}: {m}" for part, m in PART_MODEL.items())
+        + ")",
     )
     b.add_argument(
         "--dtype",
@@ -177,7 +210,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "--policies",
         nargs="*",
         default=None,
-        help="default: every compared policy (accuracy: " + " ".join(ACCURACY_POLICIES) + ")",
+        help="default: every compared policy (accuracy: "
+        + " ".join(ACCURACY_POLICIES)
+        + "; trace: prefix, the accurate policy, legolink-16, full)",
     )
     b.add_argument(
         "--samples",
@@ -209,7 +244,12 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help="link each request whole inside the step that schedules it (EngineConfig.async_links=False)",
     )
     b.add_argument("--chunks", type=int, default=8, help="link: chunks per prompt")
-    b.add_argument("--chunk-tokens", type=int, default=512, help="link and store: tokens per chunk")
+    b.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=None,
+        help=f"link, store and trace: tokens per chunk (default 512; trace {TraceSettings.chunk_tokens})",
+    )
     b.add_argument("--loads", type=int, default=20, help="store: loads per tier")
     b.add_argument("--compiles", type=int, default=5, help="store: fresh chunks compiled for the compile time")
     b.add_argument(
@@ -223,33 +263,40 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "--max-minutes",
         type=float,
         default=None,
-        help=f"load: time budget of each policy's rate sweep (default {LoadSettings.max_minutes:g}); a sweep "
-        "that reaches it before saturating is recorded as ended by `cap`",
+        help=f"load, trace: time budget of each policy's rate sweep (default {LoadSettings.max_minutes:g}, trace "
+        f"{TraceSettings.max_minutes:g}); a sweep that reaches it before saturating is recorded as ended by `cap`",
     )
     b.add_argument(
         "--rate-factor",
         type=float,
         default=None,
-        help=f"load: rate ratio between steps (default {LoadSettings.factor:g})",
+        help=f"load, trace: rate ratio between steps (default {LoadSettings.factor:g})",
     )
     b.add_argument(
         "--start-load",
         type=float,
         default=None,
-        help=f"load: first rate ~ this / the policy's unloaded service time (default {LoadSettings.start_load:g})",
+        help=f"load, trace: first rate ~ this / the policy's unloaded service time (default "
+        f"{LoadSettings.start_load:g})",
     )
     b.add_argument(
         "--output-tokens",
         type=int,
         default=None,
-        help=f"load: tokens generated per request, EOS ignored (default {LoadSettings.output_tokens})",
+        help=f"load, trace: tokens generated per request, EOS ignored (default {LoadSettings.output_tokens})",
     )
+    b.add_argument(
+        "--accurate-policy",
+        default=ACCURATE_POLICY,
+        help=f"trace: the accurate policy compared with prefix caching (default {ACCURATE_POLICY})",
+    )
+    for flag, (field, kind, what) in TRACE_OPTIONS.items():
+        b.add_argument(flag, type=kind, default=None, help=f"trace: {what} (default {getattr(TraceSettings, field):g})")
     b.add_argument("--no-progress", action="store_true")
 
 
-def load_settings(args: argparse.Namespace) -> LoadSettings:
-    """The load part's settings: the defaults (QUICK_SETTINGS with --quick), then the options given."""
-    base = QUICK_SETTINGS if args.quick else LoadSettings()
+def _sweep_options(args: argparse.Namespace) -> dict:
+    """The sweep options given, checked (load and trace)."""
     given = {
         "max_minutes": args.max_minutes,
         "factor": args.rate_factor,
@@ -263,7 +310,34 @@ def load_settings(args: argparse.Namespace) -> LoadSettings:
         raise SystemExit("--output-tokens must be at least 2 (an inter-token latency needs two tokens)")
     if given.get("max_minutes", 1.0) <= 0 or given.get("start_load", 1.0) <= 0:
         raise SystemExit("--max-minutes and --start-load must be positive")
-    return dataclasses.replace(base, **given)
+    return given
+
+
+def load_settings(args: argparse.Namespace) -> LoadSettings:
+    """The load part's settings: the defaults (QUICK_SETTINGS with --quick), then the options given."""
+    base = QUICK_SETTINGS if args.quick else LoadSettings()
+    return dataclasses.replace(base, **_sweep_options(args))
+
+
+def trace_settings(args: argparse.Namespace) -> TraceSettings:
+    """The trace part's settings: the defaults (trace.QUICK_SETTINGS with --quick), then the options given."""
+    base = TRACE_QUICK if args.quick else TraceSettings()
+    fields = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in TRACE_OPTIONS.items()}
+    given = {k: v for k, v in {**fields, "chunk_tokens": args.chunk_tokens}.items() if v is not None}
+    if given.get("chunks", 1) < 1 or given.get("chunk_tokens", 16) < 16:
+        raise SystemExit("--trace-chunks must be positive and --chunk-tokens at least 16")
+    if not 0.0 <= given.get("follow_share", 0.0) <= 1.0 or given.get("zipf_s", 0.0) < 0:
+        raise SystemExit("--follow-share must be in [0, 1] and --zipf at least 0")
+    if given.get("scored", 0) < 0 or given.get("followups", 0) < 0:
+        raise SystemExit("--scored and --followups must be at least 0")
+    s = dataclasses.replace(base, **_sweep_options(args), **given)
+    try:
+        parse_policy(args.accurate_policy)
+    except ValueError as e:
+        raise SystemExit(f"--accurate-policy: {e}") from None
+    if s.chunks < s.k_max:
+        raise SystemExit(f"--trace-chunks must be at least {s.k_max} (the most chunks a request retrieves)")
+    return s
 
 
 def _samples_arg(text: str) -> tuple[str | None, int]:
@@ -292,7 +366,7 @@ def register(sub) -> None:
         if args.what == "report":
             from .report import write_report
 
-            print(write_report(Path(args.out) if args.out else default_out(args.model)))
+            print(write_report(Path(args.out) if args.out else default_out(args.model or DEFAULT_MODEL)))
         else:
             print(run(args))
         return 0

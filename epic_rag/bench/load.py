@@ -41,7 +41,9 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 from ..types import Delta, Generation, RagRequest
 from .common import command_line, corpus_chunks, machine, no_reuse, percentile, write
@@ -55,11 +57,9 @@ ITL_TARGET = 2.0  # ITL p99 at half saturation <= this many times the unloaded I
 
 
 @dataclasses.dataclass(frozen=True)
-class LoadSettings:
-    pool_size: int = 24  # chunks compiled up front
-    chunk_tokens: int = 512
-    k_min: int = 4  # chunks per request, uniform in [k_min, k_max]
-    k_max: int = 8
+class SweepSettings:
+    """What a sweep to saturation needs, whatever its requests are (the load and trace parts share it)."""
+
     output_tokens: int = 24  # generated per request (fixed length)
     unloaded_requests: int = 8
     factor: float = 2.0  # rate ratio between steps
@@ -74,6 +74,14 @@ class LoadSettings:
     ttft_blowup: float = 10.0  # ... or TTFT p50 > blowup x the unloaded TTFT p50
     max_error_rate: float = 0.1  # a step with more errors ends the sweep
     seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadSettings(SweepSettings):
+    pool_size: int = 24  # chunks compiled up front
+    chunk_tokens: int = 512
+    k_min: int = 4  # chunks per request, uniform in [k_min, k_max]
+    k_max: int = 8
 
 
 QUICK_SETTINGS = LoadSettings(
@@ -103,7 +111,7 @@ def start_index(service_s: float, start_load: float, factor: float) -> int:
     return round(math.log(start_load / service_s) / math.log(factor))
 
 
-def requests_for(rate: float, s: LoadSettings) -> int:
+def requests_for(rate: float, s: SweepSettings) -> int:
     """Requests in a step: about window_s seconds of arrivals, at least min_requests, at most max_requests."""
     return max(s.min_requests, min(s.max_requests, math.ceil(rate * s.window_s)))
 
@@ -189,7 +197,7 @@ def step_row(policy: str, index: int, rate: float, records: list[dict]) -> dict:
     }
 
 
-def saturation_reason(row: dict, unloaded_ttft_p50: float, s: LoadSettings) -> str | None:
+def saturation_reason(row: dict, unloaded_ttft_p50: float, s: SweepSettings) -> str | None:
     """Why this step ends the sweep: "errors" (more than max_error_rate failed), "throughput" (completed
     req/s below throughput_floor x offered), "ttft" (TTFT p50 above ttft_blowup x unloaded), else None."""
     if row["errors"] > s.max_error_rate * row["requests"]:
@@ -206,7 +214,7 @@ def sweep(
     run_step: Callable[[int, float, int, float], dict],
     service_s: float,
     unloaded_ttft_p50: float,
-    s: LoadSettings,
+    s: SweepSettings,
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[list[dict], str]:
     """Raise the rate from the start step by `factor` until saturation; returns the rows and what ended the
@@ -249,10 +257,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b and not math.isnan(a) and not math.isnan(b) else None
 
 
-def summarize(policies: dict[str, dict]) -> list[dict]:
+def summarize(policies: dict[str, dict], references: Sequence[str] = REFERENCES) -> list[dict]:
     """One row per policy from {policy: {"unloaded": {...}, "rows": [...], "ended_by": str}}: saturated req/s
-    (highest completed req/s of the sweep), its ratio to each reference, the half-saturation step's TTFT and
-    ITL, and its ITL p99 against the unloaded one."""
+    (highest completed req/s of the sweep), its ratio to each reference (vs_<reference>), the
+    half-saturation step's TTFT and ITL, and its ITL p99 against the unloaded one."""
     sat = {p: max((r["completed_rps"] for r in d["rows"]), default=None) for p, d in policies.items()}
     out = []
     for p, d in policies.items():
@@ -263,7 +271,7 @@ def summarize(policies: dict[str, dict]) -> list[dict]:
                 "policy": p,
                 "ended_by": d["ended_by"],
                 "saturated_rps": sat[p],
-                **{f"vs_{ref}": _ratio(sat[p], sat.get(ref)) for ref in REFERENCES},
+                **{f"vs_{ref}": _ratio(sat[p], sat.get(ref)) for ref in references},
                 "half_rate_rps": half["offered_rps"] if half else None,
                 "half_ttft_p50_s": half["ttft_p50_s"] if half else None,
                 "half_ttft_p99_s": half["ttft_p99_s"] if half else None,
@@ -307,23 +315,61 @@ def targets(summary: list[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- running it on an engine
-async def _one(engine, policy: str, chunks: list[str], at: float, start: float, output_tokens: int) -> dict:
-    """One request sent at start + at; its record for step_row (times relative to `start`)."""
+@dataclasses.dataclass(frozen=True)
+class Outgoing:
+    """One request of a step: `make()` builds what EpicEngine.prepare takes (in the request's own thread, so
+    its rendering counts in its TTFT as a server's would); `tag` names it in its record (e.g. a trace index)."""
+
+    make: Callable[[], object]
+    tag: int | None = None
+
+
+class RequestSource(Protocol):
+    """Where a sweep's requests come from: `unloaded(n)` for the one-at-a-time phase (its first a warm-up),
+    `step(index, n)` for ladder step `index`."""
+
+    def unloaded(self, n: int) -> list[Outgoing]: ...
+
+    def step(self, index: int, n: int) -> list[Outgoing]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolRequests:
+    """The load part's requests: QUESTION over k chunks drawn from the compiled pool, seeded by the step, so
+    every policy gets the same draws at a given rate."""
+
+    pool: list[str]
+    s: LoadSettings
+
+    def _requests(self, n: int, seed: str) -> list[Outgoing]:
+        draws = chunk_draws(len(self.pool), n, self.s.k_min, self.s.k_max, seed)
+        return [Outgoing(partial(RagRequest, question=QUESTION, chunks=[self.pool[j] for j in d])) for d in draws]
+
+    def unloaded(self, n: int) -> list[Outgoing]:
+        return self._requests(n, f"{self.s.seed}:unloaded")
+
+    def step(self, index: int, n: int) -> list[Outgoing]:
+        return self._requests(n, f"{self.s.seed}:{index}")
+
+
+async def _one(engine, policy: str, out: Outgoing, at: float, start: float, output_tokens: int, options: dict) -> dict:
+    """One request sent at start + at; its record for step_row (times relative to `start`; "t" is the arrival
+    on the perf_counter clock) with the Generation's cache figures."""
     await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
     sent = time.perf_counter()
     arrival = start + at
-    rec = {"arrival": at, "lag": sent - arrival}
+    rec = {"arrival": at, "t": arrival, "lag": sent - arrival, "tag": out.tag}
     try:
-        req = RagRequest(question=QUESTION, chunks=chunks)
         # exactly output_tokens tokens (EOS ignored), every token's delta streamed (special tokens as text)
         prep = await asyncio.to_thread(
-            engine.prepare,
-            req,
-            max_tokens=output_tokens,
-            policy=policy,
-            ignore_eos=True,
-            skip_special_tokens=False,
-            **no_reuse(policy),
+            lambda: engine.prepare(
+                out.make(),
+                max_tokens=output_tokens,
+                policy=policy,
+                ignore_eos=True,
+                skip_special_tokens=False,
+                **options,
+            )
         )
         times, counts, gen = [], [], None
         async for ev in engine.astream_events(prep):
@@ -344,51 +390,71 @@ async def _one(engine, policy: str, chunks: list[str], at: float, start: float, 
         "e2e": times[-1] - arrival,
         "done": times[-1] - start,
         "tokens": len(gen.token_ids),
+        "prompt_tokens": gen.prompt_tokens,
+        "prefix_cached": gen.prefix_cached_tokens,
+        "recomputed": gen.recomputed_tokens,
+        "chunk_hits": gen.chunk_hits,
+        "chunk_misses": gen.chunk_misses,
     }
 
 
 async def _open_loop(
-    engine, policy: str, pool: list[str], arrivals: list[float], draws: list[list[int]], tokens: int, deadline_s
+    engine, policy: str, requests: list[Outgoing], arrivals: list[float], tokens: int, deadline_s, options
 ) -> list[dict]:
     """Send every request at its arrival time; requests unfinished at deadline_s are cancelled ("cut")."""
     start = time.perf_counter() + 0.05
     tasks = [
-        asyncio.ensure_future(_one(engine, policy, [pool[j] for j in d], at, start, tokens))
-        for at, d in zip(arrivals, draws)
+        asyncio.ensure_future(_one(engine, policy, r, at, start, tokens, options()))
+        for at, r in zip(arrivals, requests, strict=True)
     ]
     _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline_s))
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     return [
-        {"arrival": at, "status": "cut"} if t in pending else t.result() for t, at in zip(tasks, arrivals, strict=True)
+        {"arrival": at, "t": start + at, "status": "cut", "tag": r.tag} if t in pending else t.result()
+        for t, at, r in zip(tasks, arrivals, requests, strict=True)
     ]
 
 
-async def _unloaded(engine, policy: str, pool: list[str], s: LoadSettings) -> dict:
-    """A warm-up request, then unloaded_requests one at a time (chunk draws shared by every policy)."""
-    draws = chunk_draws(len(pool), s.unloaded_requests + 1, s.k_min, s.k_max, f"{s.seed}:unloaded")
-    recs = []
-    for d in draws:
-        recs.append(await _one(engine, policy, [pool[j] for j in d], 0.0, time.perf_counter(), s.output_tokens))
-    row = step_row(policy, -1, 0.0, recs[1:])
+def unloaded_summary(policy: str, records: list[dict]) -> dict:
+    """The unloaded phase's figures from its records (the warm-up left out by the caller)."""
+    row = step_row(policy, -1, 0.0, records)
     if row["completed"] == 0:
-        raise RuntimeError(f"{policy}: every unloaded request failed: {recs[-1].get('error')}")
-    return {
-        k: row[k]
-        for k in ("requests", "completed", "errors", "ttft_p50_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s", "tokens_mean")
-    }
+        raise RuntimeError(f"{policy}: every unloaded request failed: {records[-1].get('error')}")
+    keys = ("requests", "completed", "errors", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s")
+    return {k: row[k] for k in keys} | {"tokens_mean": row["tokens_mean"]}
 
 
-def run_policy(engine, policy: str, pool: list[str], s: LoadSettings, bar=None) -> dict:
-    """Unloaded figures, then the sweep to saturation, for one policy."""
-    unloaded = asyncio.run(_unloaded(engine, policy, pool, s))
+async def _unloaded(engine, policy: str, requests: list[Outgoing], s: SweepSettings, options) -> list[dict]:
+    """The requests one at a time (the first is the warm-up)."""
+    return [await _one(engine, policy, r, 0.0, time.perf_counter(), s.output_tokens, options()) for r in requests]
+
+
+def run_policy(
+    engine,
+    policy: str,
+    source: RequestSource,
+    s: SweepSettings,
+    bar=None,
+    options: Callable[[], dict] | None = None,
+    on_records: Callable[[int, list[dict]], None] | None = None,
+) -> dict:
+    """Unloaded figures (a warm-up, then `unloaded_requests` one at a time), then the sweep to saturation, for
+    one policy. `options()` gives each request's extra keywords (default no_reuse: a salt of its own);
+    `on_records(step, records)` sees every request's record (step -1: the unloaded phase, warm-up first)."""
+    options = options or (lambda: no_reuse(policy))
+    recs = asyncio.run(_unloaded(engine, policy, source.unloaded(s.unloaded_requests + 1), s, options))
+    if on_records is not None:
+        on_records(-1, recs)
+    unloaded = unloaded_summary(policy, recs[1:])
 
     def run_step(i: int, rate: float, n: int, deadline_s: float) -> dict:
-        seed = f"{s.seed}:{i}"
-        arrivals = arrival_trace(rate, n, seed)
-        draws = chunk_draws(len(pool), n, s.k_min, s.k_max, seed)
-        recs = asyncio.run(_open_loop(engine, policy, pool, arrivals, draws, s.output_tokens, deadline_s))
+        arrivals = arrival_trace(rate, n, f"{s.seed}:{i}")
+        requests = source.step(i, n)
+        recs = asyncio.run(_open_loop(engine, policy, requests, arrivals, s.output_tokens, deadline_s, options))
+        if on_records is not None:
+            on_records(i, recs)
         row = step_row(policy, i, rate, recs)
         if bar is not None:
             bar.update(1)
@@ -415,7 +481,7 @@ def run(engine, out: Path, model: str, policies=None, settings: LoadSettings | N
     per: dict[str, dict] = {}
     with tqdm(desc="load steps", disable=not progress) as bar:
         for p in policies:
-            per[p] = run_policy(engine, p, pool, s, bar)
+            per[p] = run_policy(engine, p, PoolRequests(pool, s), s, bar)
     summary = summarize(per)
     data = {
         "command": command_line(),

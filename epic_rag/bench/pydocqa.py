@@ -226,14 +226,20 @@ class Retriever:
 
     @classmethod
     def build(cls, tokenizer, modules: tuple[str, ...], chunk_tokens: int) -> Retriever:
+        from ..corpus import chunk_document
+
+        texts = [c.text for d in pydoc_documents(list(modules)) for c in chunk_document(d, tokenizer, chunk_tokens)]
+        return cls.from_texts(texts)
+
+    @classmethod
+    def from_texts(cls, texts: list[str]) -> Retriever:
+        """An index over these texts' embeddings (cached on disk by the texts' hash)."""
         import faiss
         import numpy as np
 
-        from ..corpus import chunk_document
         from ..embeddings import sentence_encoder
         from ..paths import cache_dir
 
-        texts = [c.text for d in pydoc_documents(list(modules)) for c in chunk_document(d, tokenizer, chunk_tokens)]
         # embedding the corpus takes a while on 2 cores: cached by the chunk texts' hash
         digest = hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:24]
         path = cache_dir() / "bench" / f"pydoc-minilm-{digest}.npy"
@@ -252,14 +258,23 @@ class Retriever:
         index.add(emb)
         return cls(texts, index)
 
-    def search(self, query: str, k: int) -> list[str]:
+    def ranked(self, queries: list[str], k: int) -> list[list[int]]:
+        """For each query, the indices of its top-k texts, best first (one batch of embeddings)."""
         import numpy as np
 
         from ..embeddings import sentence_encoder
 
-        vec = np.asarray(sentence_encoder().encode([query], normalize_embeddings=True), dtype=np.float32)
+        if not queries:
+            return []
+        vec = np.asarray(
+            sentence_encoder().encode(queries, normalize_embeddings=True, batch_size=32, show_progress_bar=False),
+            dtype=np.float32,
+        )
         _, rows = self.index.search(vec, min(k, len(self.texts)))
-        return [self.texts[r] for r in rows[0] if r >= 0]
+        return [[int(r) for r in row if r >= 0] for row in rows]
+
+    def search(self, query: str, k: int) -> list[str]:
+        return [self.texts[r] for r in self.ranked([query], k)[0]]
 
 
 def open_samples(

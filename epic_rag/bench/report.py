@@ -282,6 +282,43 @@ def load_section(load: dict) -> list[str]:
     ]
 
 
+def steps_table(rows: list[dict]) -> list[str]:
+    """Every step of the sweeps: rate, offered and completed req/s, errors, TTFT, ITL, E2E, send lag."""
+    return table(
+        [
+            "policy",
+            "rate (req/s)",
+            "offered req/s",
+            "completed",
+            "errors",
+            "completed req/s",
+            "of offered",
+            "TTFT p50 / p99 (s)",
+            "ITL p50 / p99 (ms)",
+            "E2E p50 / p99 (s)",
+            "send lag max (ms)",
+            "saturated",
+        ],
+        [
+            [
+                r["policy"],
+                f"{r['rate']:g}",
+                _num(r["offered_rps"]),
+                f"{r['completed']}/{r['requests']}" + (f" ({r['cut']} cut)" if r["cut"] else ""),
+                r["errors"],
+                _num(r["completed_rps"]),
+                _num(r["completed_rps"] / r["offered_rps"], ".2f") if r["offered_rps"] else "n/a",
+                f"{_num(r['ttft_p50_s'])} / {_num(r['ttft_p99_s'])}",
+                f"{_num(r['itl_p50_s'], '.1f', 1e3)} / {_num(r['itl_p99_s'], '.1f', 1e3)}",
+                f"{_num(r['e2e_p50_s'])} / {_num(r['e2e_p99_s'])}",
+                _num(r.get("dispatch_lag_max_s"), ".0f", 1e3),
+                r["saturated"] or "",
+            ]
+            for r in rows
+        ],
+    )
+
+
 def load_markdown(load: dict, plots: list[str]) -> str:
     """load.md: summary, targets, unloaded figures and every step, with the command, model and machine."""
     s, mc = load["settings"], load["machine"]
@@ -335,39 +372,7 @@ def load_markdown(load: dict, plots: list[str]) -> str:
         "",
         "## Every step",
         "",
-        *table(
-            [
-                "policy",
-                "rate (req/s)",
-                "offered req/s",
-                "completed",
-                "errors",
-                "completed req/s",
-                "of offered",
-                "TTFT p50 / p99 (s)",
-                "ITL p50 / p99 (ms)",
-                "E2E p50 / p99 (s)",
-                "send lag max (ms)",
-                "saturated",
-            ],
-            [
-                [
-                    r["policy"],
-                    f"{r['rate']:g}",
-                    _num(r["offered_rps"]),
-                    f"{r['completed']}/{r['requests']}" + (f" ({r['cut']} cut)" if r["cut"] else ""),
-                    r["errors"],
-                    _num(r["completed_rps"]),
-                    _num(r["completed_rps"] / r["offered_rps"], ".2f") if r["offered_rps"] else "n/a",
-                    f"{_num(r['ttft_p50_s'])} / {_num(r['ttft_p99_s'])}",
-                    f"{_num(r['itl_p50_s'], '.1f', 1e3)} / {_num(r['itl_p99_s'], '.1f', 1e3)}",
-                    f"{_num(r['e2e_p50_s'])} / {_num(r['e2e_p99_s'])}",
-                    _num(r.get("dispatch_lag_max_s"), ".0f", 1e3),
-                    r["saturated"] or "",
-                ]
-                for r in load["rows"]
-            ],
-        ),
+        *steps_table(load["rows"]),
         "",
         *(f"![{p}]({p})" for p in plots),
     ]
