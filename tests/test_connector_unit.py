@@ -67,7 +67,7 @@ def _stores(*records: ChunkKV) -> ChunkStores:
 def _scheduler(find: str | None = None, **extra) -> conn.EpicConnector:
     c = object.__new__(conn.EpicConnector)  # the scheduler-side state, without a vLLM config
     c._init_scheduler(ConnectorConfig.from_extra({**extra, "find_chunks": find} if find else extra))
-    c.async_links = False
+    c.async_links, c.block_size = False, 4
     return c
 
 
@@ -230,6 +230,16 @@ def test_an_async_link_is_claimed_as_an_async_load_and_sent_to_the_worker_before
     assert not c.build_connector_meta(_step(total_tokens=3)).idle
     none = SimpleNamespace(request_id="n", prompt_token_ids=PROMPT, kv_transfer_params={"epic": {"find": False}})
     assert c.get_num_new_matched_tokens(none, 0) == (0, False)  # nothing to load: not an async load
+
+
+def test_a_link_that_vllms_prefix_cache_holds_but_for_less_than_a_block_is_computed_not_linked():
+    c = _scheduler()
+    link = {"policy": "query-20", "sink": SINK, "spans": [list(s) for s in SPANS]}
+    req = SimpleNamespace(request_id="f", prompt_token_ids=PROMPT, kv_transfer_params={"epic": {"link": link}})
+    assert c.get_num_new_matched_tokens(req, 8) == (0, False)  # 1 of the 9 claimed tokens left: computed
+    assert c.request_finished(req, [])[1] == {"epic": {"prefix_hit": 8, "unlinked": True}}
+    assert c.get_num_new_matched_tokens(req, 4) == (5, False)  # a block or more left: linked
+    assert c.request_finished(req, [])[1] == {"epic": {"prefix_hit": 4}}
 
 
 def _async_worker(meta: cm.EpicMeta, layers: int, share: float = 0.0) -> conn.EpicConnector:

@@ -200,7 +200,7 @@ def test_malformed_tenancy_options_refuse_to_start(extra, why):
 def _scheduler(**extra) -> conn.EpicConnector:
     c = object.__new__(conn.EpicConnector)  # the scheduler-side state, without a vLLM config
     c._init_scheduler(ConnectorConfig.from_extra({"find_chunks": "legolink-0", **extra}))
-    c.async_links = False
+    c.async_links, c.block_size = False, 4
     return c
 
 

@@ -96,7 +96,7 @@ class RequestRun:
         if out.get("missing"):
             self.on_missing(out["missing"])
         hit = self.prefix_hit
-        if hit >= claim:  # vLLM's prefix cache held the whole claim (a follow-up turn): nothing was linked
+        if hit >= claim or out.get("unlinked"):  # vLLM's prefix cache held (nearly) the whole claim: not linked
             return n - hit
         if isinstance(out.get("recomputed"), int):
             linked = out["recomputed"]

@@ -40,7 +40,8 @@ class SchedulerSide:
         self._active: dict[str, _ReqState] = {}
         self._results: dict[str, dict[str, Any]] = {}  # worker outcomes (and refusals) until the request ends
         self._parsed: dict[str, tuple[LinkRequest | None, CompileRequest | None]] = {}
-        self._prefix_hits: dict[str, int] = {}  # links: prompt tokens vLLM's prefix cache provided
+        # links: prompt tokens vLLM's prefix cache provided, and whether the rest is linked (reported at the end)
+        self._prefix_hits: dict[str, tuple[int, bool]] = {}
         # Requests that name no spans have compiled chunks found in their tokens and linked under this policy
         # ("find_chunks"; unset: they are not looked at).
         self.find_policy = config.find_policy
@@ -128,8 +129,12 @@ class SchedulerSide:
         link, _ = self._parse(request)
         if link is None:
             return 0, False
-        self._prefix_hits[request.request_id] = num_computed_tokens  # the latest look-up's, reported at the end
         n = max(link.claim(len(request.prompt_token_ids)) - num_computed_tokens, 0)
+        if num_computed_tokens and n < self.block_size:
+            # vLLM's prefix cache holds the link but for less than a block (a follow-up turn whose first turn
+            # linked these chunks): computing that rest costs less than a link pass through every layer
+            n = 0
+        self._prefix_hits[request.request_id] = (num_computed_tokens, n > 0)  # the latest look-up's
         return n, self.async_links and n > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -199,7 +204,9 @@ class SchedulerSide:
         if self._active.pop(req_id, None) is not None:
             self._finished.append(req_id)
         result = self._results.pop(req_id, None)
-        hit = self._prefix_hits.pop(req_id, 0)
+        hit, linked = self._prefix_hits.pop(req_id, (0, True))
         if hit:
             result = {**(result or {}), "prefix_hit": hit}
+            if not linked:  # nothing left to link: vLLM computed the rest
+                result["unlinked"] = True
         return False, ({"epic": result} if result is not None else None)
