@@ -251,16 +251,16 @@ def test_a_failed_link_is_never_served(tiny_engine, monkeypatch):
 
     monkeypatch.setattr(linker.Linker, "advance", broken)
     with pytest.raises(RuntimeError, match="finish reason 'error'"):
-        tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")
+        tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4", cache_salt=_own())
     monkeypatch.undo()
-    assert tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4").token_ids
+    assert tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4", cache_salt=_own()).token_ids
 
 
 def test_chunks_gone_from_the_store_are_compiled_again_and_the_request_answered_as_before(tiny_engine, caplog):
-    before = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")  # compiled and stored
+    before = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4", cache_salt=_own())  # compiled and stored
     tiny_engine.store.clear()  # evicted (or lost with a Redis restart) after the engine saw them stored...
     tiny_engine.chunks.stores.recent.clear()  # ...and no longer among this process's recent compiles
-    gone = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4")
+    gone = tiny_engine.generate(_req(), max_tokens=4, policy="legolink-4", cache_salt=_own())
     assert "retrying once" in caplog.text  # the link failed on the worker; the engine checked and retried
     assert gone.chunk_misses == len(CHUNKS)  # ...recompiling them
     assert gone.token_ids == before.token_ids and gone.linked_tokens == before.linked_tokens
@@ -498,13 +498,14 @@ def test_a_batch_mixing_kernel_and_buffer_attention_equals_one_by_one(tiny_engin
 
 
 def test_links_beyond_the_workspace_run_in_several_passes_and_equal_one_by_one(tiny_engine, monkeypatch):
-    refs = [tiny_engine.generate(_req(c), max_tokens=12, policy=p) for c, p in BATCH]
+    refs = [tiny_engine.generate(_req(c), max_tokens=12, policy=p, cache_salt=_own()) for c, p in BATCH]
     linker = _linker()
     # Room for the longest request's claim and little more: the step's links need several passes.
     monkeypatch.setattr(linker, "workspace_tokens", max(r.prompt_tokens for r in refs))
     before = sum(linker.batch_sizes.values())
     got = _in_one_step(
-        tiny_engine, [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=12, policy=p) for c, p in BATCH]
+        tiny_engine,
+        [lambda c=c, p=p: tiny_engine.generate(_req(c), max_tokens=12, policy=p, cache_salt=_own()) for c, p in BATCH],
     )
     assert sum(linker.batch_sizes.values()) - before >= 2
     assert [g.token_ids for g in got] == [r.token_ids for r in refs]
@@ -549,7 +550,9 @@ def test_a_link_while_others_decode_runs_a_layer_a_step_and_equals_the_same_link
     from epic_rag.engine import vllm_api
     from epic_rag.engine.link import linker
 
-    alone = tiny_engine.generate(_req(CHUNKS[::-1]), max_tokens=12, policy="legolink-16")  # idle steps: whole
+    alone = tiny_engine.generate(
+        _req(CHUNKS[::-1]), max_tokens=12, policy="legolink-16", cache_salt=_own()
+    )  # idle steps: whole
     monkeypatch.setattr(vllm_api.kv_connector()._budget, "share", 0.0)  # a busy step: one layer of a link
     calls = []  # (pass, layers run, without a budget)
     advance = linker.Linker.advance
@@ -573,7 +576,7 @@ def test_a_link_while_others_decode_runs_a_layer_a_step_and_equals_the_same_link
     if not decoding.wait(60):
         t.join(1)
         pytest.fail("the plain request never streamed")
-    got = tiny_engine.generate(_req(CHUNKS[::-1]), max_tokens=12, policy="legolink-16")
+    got = tiny_engine.generate(_req(CHUNKS[::-1]), max_tokens=12, policy="legolink-16", cache_salt=_own())
     still_decoding = not finished
     t.join(120)
     assert still_decoding and finished  # the link ran while the other request decoded, which then ended
