@@ -284,7 +284,7 @@ def test_the_follow_up_summary_gives_medians_and_what_the_cached_link_saves():
     s = R.followup_summary(rows)
     assert (s["linked_ttft_s"], s["exact_ttft_s"], s["cold_ttft_s"]) == (0.35, 0.30, 1.6)
     assert s["linked_vs_exact"] == pytest.approx(0.35 / 0.30)
-    assert s["linked_prefix_cached"] == 1280 and s["recompute_saved"] == 290
+    assert s["linked_prefix_cached"] == 1280 and s["cold_vs_linked"] == pytest.approx(1.6 / 0.35)
     assert R.followup_summary([])["linked_vs_exact"] is None
 
 

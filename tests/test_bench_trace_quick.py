@@ -46,8 +46,9 @@ def test_quick_trace_sends_every_policy_the_same_trace_and_reports_hits_where_ca
         assert row["linked"]["prompt_tokens"] == row["exact"]["prompt_tokens"]  # the same length
         assert row["linked"]["prefix_cached"] >= 128 and row["exact"]["prefix_cached"] >= 128  # full blocks
         assert row["cold"]["prefix_cached"] < 128  # no first turn: nothing of the link to reuse
-        assert row["linked"]["recomputed"] < row["cold"]["recomputed"]
-    assert f["linked_vs_exact"] > 0 and f["recompute_saved"] > 0
+        # the first turn's blocks serve what they hold; vLLM computes the rest exactly (no second link)
+        assert row["linked"]["recomputed"] == row["linked"]["prompt_tokens"] - row["linked"]["prefix_cached"]
+    assert f["linked_vs_exact"] > 0 and f["cold_vs_linked"] > 0
 
     # agreement: every policy answered the scored requests, full agrees with itself
     agree = {r["policy"]: r for r in data["agreement"]["rows"]}

@@ -192,8 +192,8 @@ def trace_markdown(data: dict, plot: str | None) -> str:
         "through the link's prefix-cache scope), under prefix after its first turn ran exactly (an exact "
         f"prefix-cache hit of the same prompt), and under {acc} without a first turn (a fresh link). Median "
         "prompt tokens served from the link's cached blocks per conversation: "
-        f"{_num(f['linked_prefix_cached'], '.0f')} of {_num(f['prompt_tokens'], '.0f')}; recomputed tokens "
-        f"spared: {_num(f['recompute_saved'], '.0f')}; "
+        f"{_num(f['linked_prefix_cached'], '.0f')} of {_num(f['prompt_tokens'], '.0f')}; a fresh link's TTFT "
+        f"over the follow-up's: {_num(f['cold_vs_linked'], '.2f', suffix='x')}; "
         f"linked / exact TTFT: {_num(f['linked_vs_exact'], '.2f', suffix='x')}.",
         "",
         *_followups_md(f),
