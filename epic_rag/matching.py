@@ -124,16 +124,26 @@ class ChunkTextIndex:
         found: list[tuple[int, int, str]] = []
         budget = BUDGET_PER_CHAR * len(prompt) + BUDGET_BASE
         with self._lock:
-            for n, table in self._tables.items():
-                for i in range(len(prompt) - n + 1):
-                    texts = table.get(prompt[i : i + n])
-                    for t in texts or ():
+            tables = sorted(self._tables.items())
+            i = 0
+            while i < len(prompt):
+                best: tuple[int, int, str] | None = None
+                for n, table in tables:
+                    for t in table.get(prompt[i : i + n], ()) if i + n <= len(prompt) else ():
                         budget -= len(t)
                         if budget < 0:
                             log.warning("chunk text matching: comparison budget spent; the rest is glue")
                             return self._resolve(found)
                         if prompt.startswith(t, i) and _on_boundaries(prompt, i, i + len(t)):
-                            found.append((i, i + len(t), t))
+                            if best is None or len(t) > best[1] - best[0]:
+                                best = (i, i + len(t), t)
+                if best is None:
+                    i += 1
+                else:
+                    # Leftmost, then longest, wins: nothing starting inside it is looked at (a chunk's own
+                    # repeated boilerplate, e.g. pydoc's "Data descriptors defined here", spent the budget).
+                    found.append(best)
+                    i = best[1]
             return self._resolve(found)
 
     def _resolve(self, found: list[tuple[int, int, str]]) -> list[tuple[int, int, ChunkRef]]:

@@ -51,6 +51,19 @@ def test_longest_registered_text_wins_at_one_position():
     assert [s.text for s in segs if isinstance(s, ChunkRef)] == [longer]
 
 
+def test_chunks_full_of_boilerplate_that_starts_other_chunks_are_all_found():
+    # pydoc-like chunks: the boilerplate that begins some chunks repeats inside every other one. Positions
+    # inside a found chunk used to be scanned too; their candidate comparisons spent the prompt's budget,
+    # and the trace benchmark's prompts of 4-8 such chunks lost their later chunks to glue.
+    gutter = " |  " + "-" * 70 + "\n |  Data descriptors defined here:\n |  \n |  __dict__\n"
+    starts = [f"{gutter} |  __weakref__ of C{i}\n" for i in range(8)]  # chunks cut inside a class body
+    texts = [f"class C{i}:\n{gutter * 30} |  method_{i}(self)\n{gutter * 30}end of class C{i}." for i in range(40)]
+    idx = _index(*texts, *starts)
+    prompt = "".join(f"Document {j}:\n{texts[i]}\n\n" for j, i in enumerate(range(0, 40, 5))) + "Question?"
+    found = [s.key for s in idx.split(prompt) if isinstance(s, ChunkRef)]
+    assert found == [f"plain-{i}" for i in range(0, 40, 5)]
+
+
 def test_split_rejects_non_strings():
     with pytest.raises(ValueError):
         _index(A).split(b"bytes")  # type: ignore[arg-type]
