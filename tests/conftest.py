@@ -12,6 +12,20 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The fused link kernel under Triton's interpreter (CPU tensors); reloaded as it was afterwards."""
+    import importlib
+
+    from epic_rag.engine.link import kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    importlib.reload(kernels)
+    yield
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    importlib.reload(kernels)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     from epic_rag.paths import cache_dir

@@ -5,7 +5,6 @@ specialisation, and the group size of small links."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import pytest
@@ -18,16 +17,6 @@ from epic_rag.testing.fake_streams import FakeStreams, ahead, replay, shuffled
 from epic_rag.testing.stub_model import RotaryEmbedding
 
 N = 16  # tokens per block
-
-
-@pytest.fixture
-def interpreted(monkeypatch):
-    """The fused kernel under Triton's interpreter (CPU tensors); reloaded as it was afterwards."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    importlib.reload(kernels)
-    yield
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    importlib.reload(kernels)
 
 
 def _caches(L, H, D, B, dtype=torch.float32):

@@ -4,7 +4,6 @@ syncs), the device-time budget and the layout's start-up check. The CUDA runs ar
 
 from __future__ import annotations
 
-import importlib
 from types import SimpleNamespace
 
 import pytest
@@ -22,16 +21,6 @@ from epic_rag.testing.stub_model import RotaryEmbedding, StubModel
 from epic_rag.testing.varlen import ReferenceFlashKernels
 
 N = 16  # tokens per block
-
-
-@pytest.fixture
-def interpreted(monkeypatch):
-    """The fused kernel under Triton's interpreter (CPU tensors); reloaded as it was afterwards."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    importlib.reload(kernels)
-    yield
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    importlib.reload(kernels)
 
 
 def _flash_caches(L, H, D, B, dtype):
