@@ -147,16 +147,11 @@ class ChunkTextIndex:
             return self._resolve(found)
 
     def _resolve(self, found: list[tuple[int, int, str]]) -> list[tuple[int, int, ChunkRef]]:
-        """The non-overlapping matches, left to right, longest first at one start (the lock is held)."""
-        found.sort(key=lambda m: (m[0], -m[1]))
-        out: list[tuple[int, int, ChunkRef]] = []
-        pos = 0
-        for s, e, t in found:
-            if s >= pos:
-                out.append((s, e, self._refs[t]))
-                self._touch(t)
-                pos = e
-        return out
+        """The matches (already leftmost-longest, non-overlapping) with their refs, each text marked recently
+        used (the lock is held)."""
+        for _, _, t in found:
+            self._touch(t)
+        return [(s, e, self._refs[t]) for s, e, t in found]
 
     def split(self, prompt: str) -> list[Segment]:
         """The prompt as glue strings and ChunkRefs (in order; concatenating their texts gives the prompt)."""

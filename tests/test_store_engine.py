@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # starts engine processes sharing a store
 
 # Runs one engine: generate once, optionally damage disk entries and generate again; prints RESULT <json>.
 SCRIPT = r"""
-import json, sys
+import itertools, json, sys
 from pathlib import Path
 cfg = json.loads(sys.argv[1])
 from epic_rag import EngineConfig, EpicEngine, RagRequest
@@ -25,12 +25,11 @@ model = build_tiny_model(cache_dir() / "test-models" / cfg["model_name"], seed=c
 eng = EpicEngine(EngineConfig(model=str(model), policy="legolink-16", store=cfg["store"], max_model_len=2048,
                               max_num_seqs=4, kv_cache_gib=1, dtype=cfg["dtype"]))
 req = RagRequest(question=cfg["question"], chunks=cfg["chunks"])
-runs = []
+runs = itertools.count()
 
 def run():
     # a salt of its own: a run must read the store, not the prefix cache's copy of the previous run's link
-    g = eng.generate(req, max_tokens=12, cache_salt=f"run{len(runs)}")
-    runs.append(g)
+    g = eng.generate(req, max_tokens=12, cache_salt=f"run{next(runs)}")
     return {"misses": g.chunk_misses, "hits": g.chunk_hits, "tokens": g.token_ids, "keys": g.chunk_keys}
 
 out = {"first": run(), "stored": sorted(eng.store.keys())}  # chunks, and the leading glue if the engine stores it
