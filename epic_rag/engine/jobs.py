@@ -7,7 +7,10 @@ Two forms, under the "epic" key:
 - a link: {"link": {"policy": "legolink-16", "sink": 1, "spans": [[key, offset, start, n, exact], ...],
   "on_missing": "recompute"}}: tokens [offset, offset + n) of the stored record `key` sit at prompt positions
   [start, start + n); `exact` marks a leading prefix compiled at position 0 (never recomputed; read from the
-  glue store). The first `claim` prompt tokens (up to the last span's end, never the prompt's last token) are
+  glue store). Exactness is proven, never taken from the client: only a span at record offset 0 and prompt
+  position 0 is exact (a glue record is computed bare from position 0, so its first n tokens' KV is what a
+  plain prefill of the prompt computes); any other span marked exact is linked as an approximate chunk span
+  (read from the chunk store, scoped, recomputed where missing), whatever the client wrote. The first `claim` prompt tokens (up to the last span's end, never the prompt's last token) are
   linked by the worker, which reads the records from its own store; vLLM computes the rest. A span whose
   record is missing or does not hold the prompt's tokens is recomputed ("recompute", the default: exact, only
   slower) or fails the request ("fail": EpicEngine's choice, which then checks its chunks and retries).
@@ -54,6 +57,15 @@ class SpanRef:
     @property
     def end(self) -> int:
         return self.start + self.n
+
+    def proven(self) -> SpanRef:
+        """This span with `exact` kept only where it is provably exact: record offset 0 at prompt position 0
+        (nothing before it in either). A glue record's tokens [k, k + n) were computed behind its first k
+        tokens, which a prompt placing them at k need not hold (review A: hidden text H before visible V, V
+        linked at offset len(H) as "exact", its blocks served as V's exact prefix-cache blocks)."""
+        if self.exact and (self.offset != 0 or self.start != 0):
+            return SpanRef(self.key, self.offset, self.start, self.n, False)
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +143,7 @@ class LinkRequest:
             if not ok:
                 raise ValueError(f"epic link: a span is [key, offset, start, n, exact], got {s!r}")
             check_key(s[0])  # names a file or a Redis key: refused here, never looked up
-            span = SpanRef(*s)
+            span = SpanRef(*s).proven()
             if span.offset < 0 or span.n < 1 or span.start < end:
                 raise ValueError(f"epic link: span {s!r} overlaps the one before or is empty")
             end = span.end
