@@ -18,8 +18,23 @@ tokens; the chunk is then "Document 2") instead of the template alone, and each 
 (naive, query-20): does KV computed "not as the first document" link better?
 Results: docs/bench/qwen-frontier/lookalike-dev.md.
 
+Cross-chunk screen (docs/bench/qwen-frontier/crosschunk-dev.md): a variant may also be `[MODS/]POLICY`, POLICY a
+policy name run as the engine runs it (full, naive, legolink-16, query-20, ...) or a `name@r` form above, MODS
+joined by "+":
+- nbrK: every chunk compiled behind its K nearest neighbours among the sample's chunks (MiniLM cosine; the
+  nearest right before it, each a document of the template), not behind the template alone: records keyed by
+  that lead, so they never meet the plain ones;
+- order:oracle: the chunk holding the answer moved last, next to the question; order:retr: chunks in
+  ascending order of the retriever's score (MiniLM cosine to the question), the best last.
+Every row also records guard signals: the first token's margin (top-1 minus top-2 logprob), the retriever's
+margin between its two best chunks, the lexical spread (how many chunks hold the question's rarest word), and for
+query policies the probe's split (the second-most-attended chunk's share of the most-attended one's mass).
+
     .venv/bin/python scripts/screen_lookalike.py --dtype bfloat16 --tasks lookalike --samples 40 \
         --variants base@20 nosink@20 chunks:after@20 --out docs/bench/qwen-frontier/dev/screen.jsonl
+    .venv/bin/python scripts/screen_lookalike.py --dtype float32 --tasks lookalike niah --samples 20 \
+        --variants naive query-20 nbr2/naive nbr2/query-20 order:oracle/query-20 order:retr/query-20 \
+        --out docs/bench/qwen-frontier/dev/crosschunk.jsonl
 """
 
 from __future__ import annotations
@@ -49,19 +64,88 @@ FILLER = (
 
 def lead_with_filler(tokenizer, kind: str = "template") -> list[int]:
     """The template up to its second document, the first holding FILLER (glue tokens, as the prompt's)."""
+    return lead_with_documents(tokenizer, [FILLER])
+
+
+def lead_with_documents(tokenizer, docs: list[str]) -> list[int]:
+    """The template up to the document after `docs`, each of them a document of its own (glue tokens, as the
+    prompt's)."""
     from epic_rag.prompt import encode_glue, render_request
     from epic_rag.types import RagRequest
 
     ids, seen = [], 0
-    for seg in render_request(tokenizer, RagRequest(question="?", chunks=[FILLER, "?"])):
+    for seg in render_request(tokenizer, RagRequest(question="?", chunks=[*docs, "?"])):
         if isinstance(seg, str):
             ids += encode_glue(tokenizer, seg)
             continue
-        seen += 1
-        if seen == 2:
+        if seen == len(docs):
             break
-        ids += encode_glue(tokenizer, FILLER)
+        ids += encode_glue(tokenizer, docs[seen])
+        seen += 1
     return ids
+
+
+LEADS: dict[tuple[int, ...], list[int]] = {}  # chunk tokens -> the lead it is compiled behind (nbrK variants)
+
+
+def patch_leads() -> None:
+    """Chunks named in LEADS are keyed and compiled behind their own lead (the engine's lead otherwise)."""
+    from epic_rag.engine.chunks import ChunkResolver
+    from epic_rag.keys import chunk_key
+
+    key, batch = ChunkResolver.key, ChunkResolver._compile_batch
+
+    def lead_key(self, token_ids, variant):
+        lead = LEADS.get(tuple(token_ids))
+        if lead is None or variant == "plain":
+            return key(self, token_ids, variant)
+        return chunk_key(self.fingerprint, token_ids, lead, self.tenant)
+
+    def lead_batch(self, todo):
+        for k, (fut, tokens, variant) in todo.items():  # one at a time: each its own lead
+            lead = LEADS.get(tuple(tokens))
+            if lead is None or variant == "plain":
+                batch(self, {k: (fut, tokens, variant)})
+                continue
+            own, self.lead = self.lead, lead
+            try:
+                batch(self, {k: (fut, tokens, variant)})
+            finally:
+                self.lead = own
+
+    ChunkResolver.key, ChunkResolver._compile_batch = lead_key, lead_batch
+
+
+def home_of(s) -> int | None:
+    """The chunk holding the answer (the look-alike task's asked record; else the first chunk holding the
+    gold answer's text)."""
+    if s.meta.get("home_chunk") is not None:
+        return s.meta["home_chunk"]
+    if s.meta.get("answer_chunk") is not None:
+        return s.meta["answer_chunk"]
+    return next((i for i, c in enumerate(s.chunks) if s.answer and s.answer.lower() in c.lower()), None)
+
+
+def guard_signals(s, enc) -> dict:
+    """Signals known before linking: the retriever's scores and the lexical spread of the question."""
+    import re
+
+    import numpy as np
+
+    q = enc.encode([s.question], normalize_embeddings=True, show_progress_bar=False)
+    cs = enc.encode(list(s.chunks), normalize_embeddings=True, show_progress_bar=False)
+    sims = (cs @ q[0]).tolist()
+    top = sorted(sims, reverse=True)
+    words = [w for w in re.findall(r"[A-Za-z0-9_.-]{3,}", s.question)]
+    counts = {w: sum(w.lower() in c.lower() for c in s.chunks) for w in words}
+    held = [w for w in words if counts[w] > 0]
+    rare = min(held, key=lambda w: (counts[w], -len(w))) if held else None
+    return {
+        "sims": [round(x, 4) for x in sims],
+        "retr_margin": round(top[0] - top[1], 4) if len(top) > 1 else 1.0,
+        "lex_spread": counts[rare] if rare else 0,
+        "nbrs": [np.argsort(-(cs @ cs[i]))[1:].tolist() for i in range(len(cs))],
+    }
 
 
 def _sinkish(tok) -> torch.Tensor:
@@ -119,13 +203,20 @@ def _fill_windows(chosen, cand, sc, left: int, T: int, w: int = 6) -> None:
         left -= k
 
 
-def make_picks(tok):
+def make_picks(tok, engine_picks):
     sinkish = _sinkish(tok)
 
     def picks(self, s):
         var, job, a0 = CUR["v"], s.load.job, s.load.start
         T = len(job.token_ids)
         score = (s.score if s.score is not None else torch.zeros(T)).float().cpu()
+        mass = sorted(
+            (float(score[sp.start : sp.start + sp.kv.num_tokens].sum()) for sp in job.spans if not sp.exact),
+            reverse=True,
+        )
+        CUR["split"] = round(mass[1] / mass[0], 4) if len(mass) > 1 and mass[0] > 0 else 0.0
+        if var == "engine":
+            return engine_picks(self, s)
         cand = s.candidate.clone()
         cand[:a0] = False
         keep = ~s.cached
@@ -174,6 +265,54 @@ def make_picks(tok):
     return picks
 
 
+def ordered(s, mods: set[str], sig: dict):
+    """The sample with its chunks in the order the variant asks for."""
+    import dataclasses
+
+    order = list(range(len(s.chunks)))
+    home = home_of(s)
+    if "order:oracle" in mods and home is not None:
+        order = [i for i in order if i != home] + [home]
+    elif "order:retr" in mods:
+        order = sorted(order, key=lambda i: sig["sims"][i])
+    return dataclasses.replace(s, chunks=[s.chunks[i] for i in order]), order
+
+
+def run_variant(eng, tok, s, v: str, sig: dict, k_of: dict) -> dict:
+    """One (sample, variant): its chunks compiled as the variant asks, linked, answered and scored."""
+    mods_s, _, pol = v.rpartition("/")
+    mods = set(mods_s.split("+")) if mods_s else set()
+    sample, order = ordered(s, mods, sig)
+    LEADS.clear()
+    nbr = next((int(m[3:]) for m in mods if m.startswith("nbr")), 0)
+    if nbr:
+        for i, c in enumerate(s.chunks):
+            near = [s.chunks[j] for j in sig["nbrs"][i][:nbr]][::-1]  # the nearest right before the chunk
+            LEADS[tuple(k_of[c])] = lead_with_documents(tok, near)
+        eng.compile(list(s.chunks))
+    segs = sample_segments(tok, sample)
+    CUR.update(split=None)
+    if "@" in pol:
+        name, r = pol.split("@")
+        looks = s.meta.get("lookalike_values") or []
+        look = next((order.index(i) for i, c in enumerate(s.chunks) if looks and looks[0] in c), None)
+        home = home_of(s)
+        CUR.update(v=name, home=order.index(home) if home is not None else None, look=look)
+        pol = f"query-{r}"
+    else:
+        CUR.update(v="engine")
+    salt = None if pol == "full" else uuid.uuid4().hex
+    g = eng.generate(segs, max_tokens=12, policy=pol, cache_salt=salt, logprobs=2)
+    first = g.logprobs[0] if g.logprobs else None
+    alts = sorted((a["logprob"] for a in first["top_logprobs"]), reverse=True) if first else []
+    row = {"id": s.id, "task": s.task, "variant": v, "ok": _score(s, g.text)["substring"]}
+    row |= {"pred": g.text[:40], "rec": g.recomputed_tokens, "ttft": g.ttft_s, "prompt": g.prompt_tokens}
+    row |= {"margin": round(alts[0] - alts[1], 4) if len(alts) > 1 else None, "split": CUR.get("split")}
+    row |= {k: sig[k] for k in ("retr_margin", "lex_spread")}
+    LEADS.clear()
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
@@ -187,11 +326,15 @@ def main() -> None:
         import epic_rag.engine.engine as engine_module
 
         engine_module.compile_lead = lead_with_filler
+    from epic_rag.embeddings import sentence_encoder
+
     eng = EpicEngine(
         EngineConfig(model="qwen2.5-coder-0.5b-instruct", dtype=a.dtype, max_model_len=8192, kv_cache_gib=4)
     )
     tok = eng.tokenizer
-    Linker._query_picks = make_picks(tok)
+    Linker._query_picks = make_picks(tok, Linker._query_picks)
+    patch_leads()
+    enc = sentence_encoder()
     samples = build_samples(tok, {t: a.samples for t in a.tasks}, tasks=tuple(a.tasks), split="dev")
     done = set()
     if a.out.exists():
@@ -199,24 +342,22 @@ def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     with a.out.open("a") as f:
         for s in samples:
+            todo = [v for v in ([] if a.filler else ["full"]) + a.variants]
+            todo = [v for v in todo if (s.id, f"filler/{v}" if a.filler else v) not in done]
+            if not todo:
+                continue
             eng.compile(list(s.chunks))
-            segs = sample_segments(tok, s)
-            for v in ([] if a.filler else ["full"]) + a.variants:
-                if (s.id, f"filler/{v}" if a.filler else v) in done:
-                    continue
+            sig = guard_signals(s, enc)
+            k_of = {c: eng.chunks.chunk_tokens(c) for c in s.chunks}
+            for v in todo:
                 if a.filler:
+                    segs = sample_segments(tok, s)
                     g = eng.generate(segs, max_tokens=12, policy=v, cache_salt=uuid.uuid4().hex)
-                    v = f"filler/{v}"
-                elif v == "full":
-                    g = eng.generate(segs, max_tokens=12, policy="full")
+                    row = {"id": s.id, "task": s.task, "variant": f"filler/{v}", "ok": _score(s, g.text)["substring"]}
+                    row |= {"pred": g.text[:40], "rec": g.recomputed_tokens, "ttft": g.ttft_s}
                 else:
-                    name, r = v.split("@")
-                    looks = s.meta.get("lookalike_values") or []
-                    look = next((i for i, c in enumerate(s.chunks) if looks and looks[0] in c), None)
-                    CUR.update(v=name, home=s.meta.get("home_chunk"), look=look)
-                    g = eng.generate(segs, max_tokens=12, policy=f"query-{r}", cache_salt=uuid.uuid4().hex)
-                row = {"id": s.id, "task": s.task, "variant": v, "ok": _score(s, g.text)["substring"]}
-                row |= {"pred": g.text[:40], "rec": g.recomputed_tokens, "ttft": g.ttft_s}
+                    row = run_variant(eng, tok, s, v, sig, k_of)
+                print(json.dumps({k: row[k] for k in ("id", "variant", "ok", "rec", "margin", "split")}), flush=True)
                 f.write(json.dumps(row) + "\n")
                 f.flush()
     eng.shutdown()

@@ -10,10 +10,11 @@ Two forms, under the "epic" key:
   glue store). Exactness is proven, never taken from the client: only a span at record offset 0 and prompt
   position 0 is exact (a glue record is computed bare from position 0, so its first n tokens' KV is what a
   plain prefill of the prompt computes); any other span marked exact is linked as an approximate chunk span
-  (read from the chunk store, scoped, recomputed where missing), whatever the client wrote. The first `claim` prompt tokens (up to the last span's end, never the prompt's last token) are
-  linked by the worker, which reads the records from its own store; vLLM computes the rest. A span whose
-  record is missing or does not hold the prompt's tokens is recomputed ("recompute", the default: exact, only
-  slower) or fails the request ("fail": EpicEngine's choice, which then checks its chunks and retries).
+  (read from the chunk store, scoped, recomputed where missing), whatever the client wrote. The first `claim`
+  prompt tokens (up to the last span's end, never the prompt's last token) are linked by the worker, which
+  reads the records from its own store; vLLM computes the rest. A span whose record is missing or does not
+  hold the prompt's tokens is recomputed ("recompute", the default: exact, only slower) or fails the request
+  ("fail": EpicEngine's choice, which then checks its chunks and retries).
 - a compile: {"compile": {"lead": n, "key": key, "glue": false}}: the prompt is a compile lead of n tokens
   and a chunk; the worker copies the sink's and the chunk's KV out of the pages as the prefill runs and stores
   the record once the prompt is complete, under the key the worker derives itself from its model fingerprint,
