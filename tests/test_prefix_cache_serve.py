@@ -155,7 +155,7 @@ def _compile(client, prompt: list[int], job: dict, salt: str) -> str:
     return out["params"]["epic"]["stored"]
 
 
-def _lead_is_exact(client, tok, sink, lead: list[int], salt: str) -> float:
+def _lead_is_exact(client, tok, lead: list[int], salt: str) -> float:
     """Compile a chunk behind `lead` under `salt` (its lead may come from vLLM's prefix cache), then link the
     record right where it was compiled, nothing recomputed, in a namespace of its own: the gap to the plain
     prompt's logprobs (0 when the stored record is the one an honest compile of the whole prompt stores)."""
@@ -164,7 +164,8 @@ def _lead_is_exact(client, tok, sink, lead: list[int], salt: str) -> float:
     prompt = lead + chunk + tok("\nWhich threshold?", add_special_tokens=False).input_ids
     spans = [[key, 1, len(lead), len(chunk), False]]
     own = unique_salt(salt.split(":")[0])  # the record's tenant, a namespace of its own
-    linked = _complete(client, prompt, {"epic": {"link": {"policy": "legolink-0", "sink": sink, "spans": spans}}}, own)
+    link = {"epic": {"link": {"policy": "legolink-0", "sink": lead[0], "spans": spans}}}  # the record's sink
+    linked = _complete(client, prompt, link, own)
     assert linked["params"]["epic"]["linked_spans"] == 1, linked["params"]
     return _gap(linked, _complete(client, prompt, {"epic": {"find": False}}, unique_salt("")))
 
@@ -188,12 +189,14 @@ def test_a_span_marked_exact_inside_its_record_is_linked_as_approximate_and_neve
     victim = _complete(client, visible + question, {"epic": {"find": False}}, salt)
     alone = _complete(client, visible + question, {"epic": {"find": False}}, unique_salt(""))
     assert _gap(victim, alone) < SAME, (victim["first"], alone["first"])
-    assert _lead_is_exact(client, tok, sink, visible, salt) < SAME
+    assert _lead_is_exact(client, tok, visible, salt) < SAME
     # linked as a chunk span: looked up among chunk records, where no record holds it: computed, exact
     assert forging["params"]["epic"]["missing"] == [gkey], forging["params"]
-    # the honest form stays exact and linked: the glue's own first tokens at the prompt's start
+    # the honest form stays exact and linked: the glue's own first tokens at the prompt's start (a salt of its
+    # own: under `salt` vLLM's prefix cache holds them already, from the glue's compile)
     honest = [[gkey, 0, 0, len(hidden), True]]
-    out = _complete(client, hidden + question, {"epic": {"link": {"policy": "naive", "spans": honest}}}, salt)
+    link = {"epic": {"link": {"policy": "naive", "spans": honest}}}
+    out = _complete(client, hidden + question, link, unique_salt("forge"))
     assert out["params"]["epic"]["missing"] == [] and out["params"]["epic"]["linked_spans"] == 1, out["params"]
 
 
@@ -235,4 +238,4 @@ def test_no_span_list_a_client_can_write_serves_or_stores_approximate_kv_as_exac
         exact = _complete(client, prompt, {"epic": {"find": False}}, salt)
         alone = _complete(client, prompt, {"epic": {"find": False}}, unique_salt(""))
         assert _gap(exact, alone) < SAME, (trial, policy, spans)
-        assert _lead_is_exact(client, tok, sink, prompt, salt) < SAME, (trial, policy, spans)
+        assert _lead_is_exact(client, tok, prompt, salt) < SAME, (trial, policy, spans)
