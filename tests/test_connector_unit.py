@@ -121,6 +121,29 @@ def test_a_span_whose_record_is_missing_or_holds_other_tokens_is_recomputed_not_
         assert c.build_connector_worker_meta().results["r1"]["missing"] == expect_missing
 
 
+@pytest.mark.parametrize("b_is", ["other tokens", "another tenant's"])
+def test_a_link_decodes_no_record_whose_header_says_it_cannot_serve_the_span(tmp_path, monkeypatch, b_is):
+    # Review 3 F: each named record was read and decoded whole before its tokens were compared, so one link
+    # naming 512 records that cannot serve it cost 512 whole reads. Now its header and token ids come first.
+    from epic_rag.store import DiskStore, codec
+
+    b = _record("sink1-b", [SINK, 20, 21, 99] if b_is == "other tokens" else PROMPT[5:9])
+    if b_is != "other tokens":
+        b.tenant = tenant_id("someone else")
+    disk = DiskStore(tmp_path)
+    for r in (_record("sink1-a", PROMPT[0:5]), b):
+        disk.put(r)
+    decoded = []
+    real = codec.decode
+    monkeypatch.setattr(codec, "decode", lambda buf, key, *a: decoded.append(key) or real(buf, key, *a))
+    c = _worker(cm.EpicMeta(loads=[_load("r1", SPANS)]), ChunkStores(disk, MemoryStore()))
+    c.start_load_kv(None)
+    assert decoded == ["sink1-a"]
+    ((job, *_),) = c.linker.linked[0]
+    assert [sp.kv.token_ids for sp in job.spans] == [PROMPT[0:5]]
+    assert c.build_connector_worker_meta().results["r1"]["missing"] == ["sink1-b"]
+
+
 def _logged_detail(caplog, result: dict) -> str:
     """The log line a client's generic error points to by its id (the client sees no internals)."""
     eid = result["error"].split("(error ")[1].split(";")[0]
@@ -149,11 +172,16 @@ def test_a_failed_batch_fails_each_request_through_its_blocks_without_raising_in
 def test_a_store_that_raises_fails_only_the_request_it_was_reading_for(caplog):
     stores = _stores(_record("sink1-b", PROMPT[5:9]))
 
-    class Exploding(MemoryStore):
+    class Exploding(MemoryStore):  # every read of sink1-a raises (its header first, as a link reads it)
         def get(self, key):
             if key == "sink1-a":
                 raise OSError("disk gone")
             return stores.chunks.get(key)
+
+        def peek(self, key):
+            if key == "sink1-a":
+                raise OSError("disk gone")
+            return stores.chunks.peek(key)
 
     c = _worker(cm.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS[1:], block_ids=(7, 8, 9))]), stores)
     c.stores = ChunkStores(Exploding(), stores.glue)

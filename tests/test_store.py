@@ -228,6 +228,109 @@ def test_truncated_file_is_detected_counted_and_removed(keep, tmp_path):
     assert s.stats.corrupt == 1 and not p.exists()
 
 
+def _nested_entry(kv: ChunkKV, where: str, depth: int = 100_000) -> bytes:
+    """kv's entry with JSON nested `depth` levels deep in its safetensors header or in its epic header."""
+    if where == "safetensors header":
+        head = b'{"x":' + b"[" * depth + b"]" * depth + b"}"
+        return len(head).to_bytes(8, "little") + head
+    meta, tensors = codec.pack(kv, "none")
+    from safetensors.torch import save
+
+    return save(tensors, metadata={"epic": "[" * depth + "]" * depth})
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"], ids=["sha256", "hmac"])
+@pytest.mark.parametrize("where", ["safetensors header", "epic header"])
+def test_a_header_nested_past_the_depth_limit_is_dropped_as_a_corrupt_miss_not_raised(where, secret, tmp_path):
+    # Review 3 C: json.loads of a 100k-deep header raised RecursionError out of DiskStore.get, so the entry was
+    # never dropped and every link to its key failed (on_missing: recompute included).
+    kv = make_kv()
+    data = _nested_entry(kv, where)
+    with pytest.raises(CorruptEntry, match="nests deeper"):
+        codec.decode(data, kv.key, secret=secret.encode() if secret else None)
+    s = DiskStore(tmp_path, secret=secret)
+    entry_path(s, kv.key).write_bytes(data)
+    assert s.get(kv.key) is None
+    assert s.stats.corrupt == 1 and s.stats.misses == 1 and not entry_path(s, kv.key).exists()
+    s.put(kv)  # the recompiled entry takes its place
+    assert_same(s.get(kv.key), kv)
+
+
+def test_decode_turns_any_error_of_unforeseen_bytes_into_a_corrupt_entry(monkeypatch):
+    # Whatever a check trips over (here: a RecursionError from deep inside), the reader sees CorruptEntry, the
+    # one exception every tier drops an entry for.
+    kv = make_kv()
+
+    def boom(*a):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(codec, "_check_meta", boom)
+    with pytest.raises(CorruptEntry, match="RecursionError"):
+        codec.decode(codec.encode(kv), kv.key)
+
+
+def test_json_depth_counts_brackets_outside_strings_only():
+    assert codec.json_depth(b'{"a": [1, {"b": "[[[{{{"}], "c": "\\"}') == 3
+    assert codec.json_depth(b'"[[["') == 0 and codec.json_depth(b"[" * 50) == 50
+
+
+def test_a_fifo_under_a_keys_file_name_is_a_miss_at_once_and_dropped(tmp_path):
+    # Review 3 C: open() of a FIFO blocks until a writer comes: DiskStore.get hung inside the engine step.
+    s = DiskStore(tmp_path)
+    p = entry_path(s, "plain-aaaa")
+    os.mkfifo(p)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(s.get("plain-aaaa")), daemon=True)
+    reader.start()
+    reader.join(timeout=5)
+    try:
+        assert not reader.is_alive(), "DiskStore.get blocked on a FIFO"
+        assert got == [None] and s.stats.corrupt == 1 and not p.exists()
+        assert s.peek("plain-aaaa") is None and not s.contains("plain-aaaa") and s.keys() == []
+    finally:
+        if reader.is_alive():  # release the blocked reader (old code) so the test process can end
+            os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_a_symbolic_link_under_a_keys_file_name_is_never_followed(tmp_path):
+    # A link planted in the shared folder (to a genuine entry elsewhere, or to any file the engine can read)
+    # is not an entry: dropped (the link, never its target) and missed.
+    elsewhere = DiskStore(tmp_path / "elsewhere")
+    kv = make_kv()
+    elsewhere.put(kv)
+    s = DiskStore(tmp_path / "tier")
+    p = entry_path(s, kv.key)
+    p.symlink_to(entry_path(elsewhere, kv.key))
+    assert s.get(kv.key) is None
+    assert s.stats.corrupt == 1 and not os.path.lexists(p)
+    p.symlink_to(entry_path(elsewhere, kv.key))
+    assert s.peek(kv.key) is None and not s.contains(kv.key) and s.usage() == {}
+    assert_same(elsewhere.get(kv.key), kv)  # the target is untouched
+
+
+def test_peek_reads_a_records_tokens_and_context_without_its_kv(tmp_path, monkeypatch):
+    kv = make_kv()
+    kv.tenant, kv.lead = "ab" * 32, "cd" * 32
+    for s in (
+        MemoryStore(),
+        MemoryStore(quant="int8"),
+        DiskStore(tmp_path),
+        TieredStore([MemoryStore(), DiskStore(tmp_path)]),
+    ):
+        s.put(kv)
+        monkeypatch.setattr(codec, "decode", None)  # no tier may decode a whole entry to peek
+        head = s.peek(kv.key)
+        monkeypatch.undo()
+        assert (head.key, head.token_ids, head.tenant, head.lead, head.base_pos) == (
+            kv.key,
+            kv.token_ids,
+            kv.tenant,
+            kv.lead,
+            kv.base_pos,
+        )
+        assert s.peek("plain-nothere") is None and s.stats.hits == 0
+
+
 def test_entry_of_another_key_is_not_returned(tmp_path):
     # A file holding chunk A's KV under chunk B's name (e.g. a model or dtype change producing a new key
     # while an old file was copied over) must not be served as B.

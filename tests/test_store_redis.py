@@ -13,6 +13,7 @@ import torch
 from test_store import DTYPES, assert_same, make_kv
 
 from epic_rag.store import DiskStore, RedisStore, TieredStore, codec, open_store
+from epic_rag.store import redis_tier as rt
 from epic_rag.testing.localredis import LocalRedis, free_port
 
 pytestmark = pytest.mark.skipif(
@@ -76,6 +77,40 @@ def test_corrupt_redis_value_is_dropped_and_counted(url, server, damage, caplog)
         assert s.get(kv.key) is None
     assert s.stats.corrupt == 1 and "corrupt entry" in caplog.text
     assert r.exists(rkey) == 0
+
+
+@pytest.mark.parametrize("what", ["value", "manifest"])
+def test_a_value_or_manifest_nested_past_the_depth_limit_is_dropped_as_a_corrupt_miss(url, server, what):
+    # Review 3 C: a 100k-deep header or parts manifest raised RecursionError out of RedisStore.get: never
+    # dropped, every link to the key failed.
+    from test_store import _nested_entry
+
+    s = open_store(url + "&secret=s3cret")
+    kv = make_kv()
+    r, rkey = raw(server), s._rkey(kv.key)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r.set(rkey, _nested_entry(kv, "epic header") if what == "value" else rt.MANIFEST + deep)
+    assert s.get(kv.key) is None
+    assert s.stats.corrupt == 1 and s.stats.misses == 1 and r.exists(rkey) == 0
+    s.put(kv)
+    assert_same(s.get(kv.key), kv)
+
+
+@pytest.mark.parametrize(
+    "part, tokens, decodes",
+    [("256M", 40, False), ("1K", 40, False), ("1K", 300, True)],
+    ids=["one value", "parts", "tokens past the first part"],
+)
+def test_redis_peek_reads_a_records_tokens_by_range_without_its_kv(url, monkeypatch, part, tokens, decodes):
+    s = open_store(url + f"&max_part_bytes={part}")
+    kv = make_kv(tokens=tokens)
+    kv.tenant = "ab" * 32
+    s.put(kv)
+    if not decodes:  # read by range: no entry decoded (else the whole entry is read, and checked, instead)
+        monkeypatch.setattr(codec, "decode", None)
+    head = s.peek(kv.key)
+    assert (head.token_ids, head.tenant, head.base_pos) == (kv.token_ids, kv.tenant, kv.base_pos)
+    assert s.peek("plain-nothere") is None and s.stats.corrupt == 0
 
 
 def test_ttl_expires_entries(url, server):

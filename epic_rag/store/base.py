@@ -91,6 +91,27 @@ class ChunkKV:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class RecordHead:
+    """What a reader learns of a stored record without its tensors (`ChunkStore.peek`): enough to refuse a
+    record that cannot serve a span (another tenant's, other tokens) before reading and decoding its KV. Not
+    verified (the checksum covers the whole entry): only ever a reason to skip a record, never to use one."""
+
+    key: str
+    token_ids: list[int]
+    tenant: str = ""
+    lead: str = ""
+    base_pos: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def of(cls, kv: ChunkKV) -> "RecordHead":
+        return cls(kv.key, kv.token_ids, kv.tenant, kv.lead, kv.base_pos)
+
+
 @dataclass(slots=True)
 class TierStats:
     """Counters one tier keeps; read by the CLI and the server's metrics (`ChunkStore.tier_stats`).
@@ -160,6 +181,14 @@ class ChunkStore(ABC):
     @abstractmethod
     def get(self, key: str) -> ChunkKV | None:
         """The entry, or None when missing or unreadable (a corrupt entry is dropped and counted)."""
+
+    def peek(self, key: str) -> RecordHead | None:
+        """The entry's tokens and context ids without its KV, where a tier can read them cheaply (a file's or a
+        value's header and token ids); None when missing or unreadable. Counts nothing, drops nothing, moves
+        no LRU order: a caller that wants the entry then calls `get`, which checks it whole. This default
+        reads the whole entry."""
+        kv = self.get(key)
+        return None if kv is None else RecordHead.of(kv)
 
     @abstractmethod
     def put(self, kv: ChunkKV) -> None:

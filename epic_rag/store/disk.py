@@ -10,15 +10,17 @@ each writer rescans the folder when its own count passes the budget, and at leas
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import threading
 import time
 import uuid
 from pathlib import Path
 
 from . import codec
-from .base import ChunkKV, ChunkStore, check_key, check_quant
+from .base import ChunkKV, ChunkStore, RecordHead, check_key, check_quant
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,45 @@ _TMP = ".tmp-"
 _RESCAN_S = 30.0
 _STALE_TMP_S = 3600.0
 _LOW_WATER = 0.9  # eviction frees down to this fraction of the budget
+# An entry is opened without following a link and without waiting (a FIFO planted under a key's name would
+# block a plain open, inside the engine step), then read only if it is a regular file.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+class _NotAFile(OSError):
+    """A name in the folder that is not a regular file (a symbolic link, a FIFO, a device): never read."""
+
+    def __init__(self, what: str, st: os.stat_result) -> None:
+        super().__init__(what)
+        self.st = st
+
+
+def _open_entry(path: Path) -> tuple[int, os.stat_result]:
+    """(fd, fstat) of a regular file at `path`; FileNotFoundError, _NotAFile, or another OSError."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+            raise _NotAFile("a symbolic link", os.lstat(path)) from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _NotAFile(f"not a regular file (mode {stat.filemode(st.st_mode)})", st)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _read_into(fd: int, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if not n:
+            break
+        got += n
+    return got
 
 
 class DiskStore(ChunkStore):
@@ -85,18 +126,13 @@ class DiskStore(ChunkStore):
         path = self._path(key)
         t0 = time.perf_counter()
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                buf = bytearray(st.st_size)
-                view, got = memoryview(buf), 0
-                while got < len(buf):
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
+            fd, st = _open_entry(path)
         except FileNotFoundError:
             with self._lock:
                 self.stats.misses += 1
+            return None
+        except _NotAFile as e:
+            self._drop(path, e.st, e)
             return None
         except OSError as e:
             with self._lock:
@@ -105,20 +141,49 @@ class DiskStore(ChunkStore):
             self._log_error("read", f"disk tier {self.root}: cannot read {path.name}: {e}")
             return None
         try:
+            buf = bytearray(st.st_size)
+            got = _read_into(fd, memoryview(buf))
             if got != len(buf):
                 raise codec.CorruptEntry(f"file shrank while reading ({got} of {len(buf)} bytes)")
-            kv = codec.decode(buf, key, self.quant, self.secret)
+            kv = codec.decode(buf, key, self.quant, self.secret)  # raises only CorruptEntry
+            if touch:
+                try:
+                    os.utime(fd)  # LRU order across processes (atime is unreliable under relatime/noatime)
+                except OSError:
+                    pass
+        except OSError as e:
+            with self._lock:
+                self.stats.misses += 1
+                self.stats.errors += 1
+            self._log_error("read", f"disk tier {self.root}: cannot read {path.name}: {e}")
+            return None
         except codec.CorruptEntry as e:
             self._drop(path, st, e)
             return None
-        if touch:
-            try:
-                os.utime(path)  # LRU order across processes (atime is unreliable under relatime/noatime)
-            except OSError:
-                pass
+        finally:
+            os.close(fd)
         with self._lock:
             self.stats.record_load(t0)
         return kv
+
+    def peek(self, key: str) -> RecordHead | None:
+        """The entry's header and token ids, read without its tensors (a few KiB of a file of megabytes); None
+        when missing or unreadable (a full `get` then drops it)."""
+        try:
+            fd, st = _open_entry(self._path(check_key(key)))
+        except OSError:
+            return None
+        try:
+            head = bytearray(min(st.st_size, 8 + (1 << 20)))
+            got = _read_into(fd, memoryview(head))
+            hlen = codec.header_length(head[:got])
+            if 8 + hlen > got:
+                return None
+            return codec.head_of(head[: 8 + hlen], lambda begin, n: os.pread(fd, n, 8 + hlen + begin), key, self.quant)
+        except (OSError, codec.CorruptEntry):
+            return None
+        finally:
+            os.close(fd)
 
     def _drop(self, path: Path, st: os.stat_result, why: Exception) -> None:
         log.warning("disk tier %s: corrupt entry %s dropped (%s); it will be recompiled", self.root, path.name, why)
@@ -126,7 +191,7 @@ class DiskStore(ChunkStore):
             self.stats.corrupt += 1
             self.stats.misses += 1
         try:
-            now = os.stat(path)
+            now = os.lstat(path)  # the name itself (a link is dropped, never what it points to)
             if (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns):  # not replaced meanwhile
                 os.unlink(path)
         except OSError:
@@ -193,9 +258,11 @@ class DiskStore(ChunkStore):
         with it:
             for e in it:
                 try:
-                    yield e, e.stat()
+                    st = e.stat(follow_symlinks=False)  # a link is no entry (and never read: _open_entry)
                 except OSError:
                     continue
+                if stat.S_ISREG(st.st_mode):
+                    yield e, st
 
     def _scan(self) -> list[tuple[float, int, str]]:
         """(mtime, size, path) of every entry in the folder (all quant namespaces); removes stale temp files."""
@@ -258,11 +325,14 @@ class DiskStore(ChunkStore):
         return list(self.usage())
 
     def contains(self, key: str) -> bool:
-        return self._path(check_key(key)).exists()
+        try:
+            return stat.S_ISREG(os.lstat(self._path(check_key(key))).st_mode)
+        except OSError:
+            return False
 
     def delete(self, key: str) -> bool:
         try:
-            size = os.stat(self._path(check_key(key))).st_size
+            size = os.lstat(self._path(check_key(key))).st_size
             os.unlink(self._path(key))
         except OSError:
             return False

@@ -12,7 +12,7 @@ import torch
 
 from ..streams import Streams, streams_for
 from . import codec
-from .base import ChunkKV, ChunkStore, check_key, check_quant
+from .base import ChunkKV, ChunkStore, RecordHead, check_key, check_quant
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +64,30 @@ class MemoryStore(ChunkStore):
                 return None
             self._items.move_to_end(key)
         if isinstance(item, tuple):
-            kv = codec.unpack(item[0], item[1], key, self.quant)
+            try:
+                kv = codec.unpack(item[0], item[1], key, self.quant)
+            except Exception as e:  # (packed here, so never expected): dropped, a miss, as in every tier
+                log.error("memory tier: entry %s does not unpack (%s); dropped", key, e)
+                with self._lock:
+                    if self._items.get(key) is item:
+                        self._forget(key)
+                    self.stats.corrupt += 1
+                    self.stats.misses += 1
+                return None
         else:
             kv = item
         with self._lock:
             self.stats.record_load(t0)
         return kv
+
+    def peek(self, key: str) -> RecordHead | None:
+        check_key(key)
+        with self._lock:
+            item = self._items.get(key)
+        if isinstance(item, tuple):
+            meta, tensors = item
+            return RecordHead(key, tensors["token_ids"].tolist(), meta["tenant"], meta["lead"], meta["base_pos"])
+        return None if item is None else RecordHead.of(item)
 
     def put(self, kv: ChunkKV) -> None:
         self._put(kv)
@@ -112,12 +130,17 @@ class MemoryStore(ChunkStore):
             self.stats.put_seconds += time.perf_counter() - t0
         return item if isinstance(item, ChunkKV) else None
 
+    def _forget(self, key: str) -> None:
+        """Remove a held entry (under the lock)."""
+        del self._items[key]
+        self.stats.bytes -= self._sizes.pop(key)
+        self.stats.entries = len(self._items)
+
     def delete(self, key: str) -> bool:
         with self._lock:
-            if self._items.pop(key, None) is None:
+            if key not in self._items:
                 return False
-            self.stats.bytes -= self._sizes.pop(key)
-            self.stats.entries = len(self._items)
+            self._forget(key)
             return True
 
     def keys(self) -> list[str]:

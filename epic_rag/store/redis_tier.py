@@ -37,7 +37,7 @@ import uuid
 from urllib.parse import urlsplit, urlunsplit
 
 from . import codec
-from .base import ChunkKV, ChunkStore, FleetLock, check_key, check_quant
+from .base import ChunkKV, ChunkStore, FleetLock, RecordHead, check_key, check_quant
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ _MANIFEST_MAX = 4096  # read back atomically with an overwrite (a manifest is fa
 PART_PENDING_S = 600.0  # parts not (yet) named by a manifest expire after this: a writer that died
 PART_GRACE_S = 60.0  # parts of a replaced or deleted entry stay this long for readers already reading them
 _BATCH_BYTES = 64 << 20  # parts sent or fetched per round trip
+_PEEK_BYTES = 64 << 10  # read first by `peek`: a record's header and the token ids of a chunk of up to ~7k tokens
 _ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -93,10 +94,9 @@ def make_manifest(key: str, quant: str, wid: str, parts: int, part_bytes: int, s
 
 def parse_manifest(data: bytes, key: str, quant: str) -> dict:
     """The manifest in `data` (which starts with MANIFEST), checked for `key` and `quant`; raises CorruptEntry."""
-    try:
-        m = json.loads(data[len(MANIFEST) :])
-    except ValueError as e:
-        raise codec.CorruptEntry(f"unreadable parts manifest ({e})") from e
+    if len(data) > _MANIFEST_MAX:
+        raise codec.CorruptEntry(f"parts manifest is {len(data)} bytes, over {_MANIFEST_MAX}")
+    m = codec.loads_bounded(data[len(MANIFEST) :], "parts manifest", max_depth=1)  # a flat object
     if not isinstance(m, dict):
         raise codec.CorruptEntry("parts manifest is not a JSON object")
     if m.get("key") != key or m.get("quant") != quant:
@@ -112,6 +112,10 @@ def parse_manifest(data: bytes, key: str, quant: str) -> dict:
     if not isinstance(m.get("id"), str) or not _ID.fullmatch(m["id"]) or not isinstance(m.get("sha256"), str):
         raise codec.CorruptEntry("parts manifest has a bad id or checksum")
     return m
+
+
+class _PastFirstPart(Exception):
+    """peek: the token ids lie beyond an entry's first part."""
 
 
 class _RedisLock(FleetLock):
@@ -397,7 +401,7 @@ class RedisStore(ChunkStore):
                 if codec.read_header(entry)[1].get("sha256") != m["sha256"]:
                     raise codec.CorruptEntry("its parts do not hold the entry its manifest names")
             kv = codec.decode(entry, key, self.quant, self.secret)
-        except codec.CorruptEntry as e:
+        except Exception as e:  # any of it (CorruptEntry, or what unforeseen bytes trip): dropped, a miss
             log.warning(
                 "redis tier %s: corrupt entry %s dropped (%s); it will be recompiled", safe_url(self.url), rkey, e
             )
@@ -409,6 +413,44 @@ class RedisStore(ChunkStore):
         with self._lock:
             self.stats.record_load(t0)
         return kv
+
+    def peek(self, key: str) -> RecordHead | None:
+        """The entry's header and token ids by GETRANGE (of its first part where it has parts), not its KV."""
+        rkey = self._rkey(key)
+        try:
+            name = rkey
+            first = self._call(lambda c: c.getrange(rkey, 0, _PEEK_BYTES - 1))
+            if not isinstance(first, bytes) or not first:
+                return None
+            if first.startswith(MANIFEST):
+                m = parse_manifest(first, key, self.quant)
+                name = part_key(rkey, m["id"], 0)
+                first = self._call(lambda c: c.getrange(name, 0, _PEEK_BYTES - 1))
+                if not isinstance(first, bytes):
+                    return None
+            hlen = codec.header_length(first)
+            if 8 + hlen > len(first):
+                head = self._call(lambda c: c.getrange(name, 0, 8 + hlen - 1))
+                if not isinstance(head, bytes) or len(head) != 8 + hlen:
+                    return None
+            else:
+                head = first[: 8 + hlen]
+
+            def read(begin: int, n: int) -> bytes:
+                at = 8 + hlen + begin
+                if at + n <= len(first):
+                    return first[at : at + n]
+                if name != rkey and at + n > m["part_bytes"]:
+                    raise _PastFirstPart  # (tiny parts only: the token ids are stored right after the header)
+                got = self._call(lambda c: c.getrange(name, at, at + n - 1))
+                return got if isinstance(got, bytes) else b""
+
+            return codec.head_of(head, read, key, self.quant)
+        except _PastFirstPart:
+            kv = self.get(key)
+            return None if kv is None else RecordHead.of(kv)
+        except codec.CorruptEntry:
+            return None  # `get` drops it
 
     def put(self, kv: ChunkKV) -> None:
         rkey = self._rkey(kv.key)

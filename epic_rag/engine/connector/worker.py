@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from ...keys import rank_key
 from ...policy import SINK_LEN
 from ...redact import redact
-from ...store import ChunkKV
+from ...store import ChunkKV, RecordHead
 from .. import vllm_api
 from ..jobs import Capture, LinkJob, LinkSpan
 from ..link import rope
@@ -174,11 +174,19 @@ class WorkerSide:
         out = []
         for load in loads:
             try:
-                kvs, read = [], {}
+                kvs, heads, read = [], {}, {}
                 for s in load.link.spans:
-                    if (s.key, s.exact) not in read:  # spans of one record: read once, sliced per span
-                        read[s.key, s.exact] = self.stores.get(self._rank_key(s.key), glue=s.exact)
-                    kv = read[s.key, s.exact]
+                    # Tokens and tenant first, from the record's header (peek): one that cannot serve the span
+                    # is never read whole or decoded. Spans of one record: read once, sliced per span.
+                    rec = (s.key, s.exact)
+                    if rec not in heads:
+                        heads[rec] = self.stores.peek(self._rank_key(s.key), glue=s.exact)
+                    if not self._matches(heads[rec], s, load):
+                        kvs.append(None)
+                        continue
+                    if rec not in read:
+                        read[rec] = self.stores.get(self._rank_key(s.key), glue=s.exact)
+                    kv = read[rec]
                     kvs.append(kv if self._matches(kv, s, load) else None)
                 out.append((kvs, None))
             except Exception as e:  # a store that raises: the request fails, the step goes on
@@ -211,7 +219,7 @@ class WorkerSide:
         return job, [] if err else missing
 
     @staticmethod
-    def _matches(kv: ChunkKV | None, s, load: LoadSpec) -> bool:
+    def _matches(kv: ChunkKV | RecordHead | None, s, load: LoadSpec) -> bool:
         if kv is None or kv.num_tokens < s.offset + s.n:
             return False
         if kv.tenant != load.tenant:  # another tenant's record: missing, as one never compiled
