@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from epic_rag.store import ChunkKV, CorruptEntry, DiskStore, MemoryStore, TieredStore, codec, open_store
+from epic_rag.store.base import TenantQuota
 from epic_rag.store.spec import parse_size
 
 L, T, H, D = 3, 17, 2, 8
@@ -842,3 +843,116 @@ def test_memory_tier_pins_its_records_only_where_a_cuda_device_exists():
     m.put(kv)
     if not m.pin:  # an unpinned tier keeps the very object, no copy
         assert m.get("plain-p") is kv
+
+
+# ------------------------------------------------------------------ tenant quotas (review 3 B)
+VICTIM, FLOOD = "aa" * 32, "bb" * 32  # tenant ids (keys.tenant_id: hex)
+
+
+def tenant_kv(tenant: str, i: int) -> ChunkKV:
+    kv = make_kv(f"plain-{tenant[:2]}{i}", seed=i)
+    kv.tenant = tenant
+    return kv
+
+
+def entry_size(tier: str) -> int:
+    """What one tenant_kv entry takes from a budget: its file on disk, its tensors in memory."""
+    kv = tenant_kv(FLOOD, 0)
+    return len(codec.encode(kv)) if tier == "disk" else kv.nbytes
+
+
+def hit_rate(store, keys) -> float:
+    return sum(store.get(k) is not None for k in keys) / len(keys)
+
+
+def quota_evictions(tier: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("epic_rag_store_quota_evictions_total", {"tier": tier}) or 0.0
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_one_tenant_filling_its_quota_leaves_another_tenants_hit_rate_unchanged(tier, tmp_path):
+    # Review 3 B: the LRU was global, so one tenant's compiles evicted every other tenant's chunks.
+    one = entry_size(tier)
+    where = "memory" if tier == "memory" else f"disk:{tmp_path}"
+    pin = "&pin=0" if tier == "memory" else ""
+    s = open_store(f"{where}?max_bytes={one * 10}&tenant_max_bytes={one * 4}{pin}")
+    victim = [tenant_kv(VICTIM, i) for i in range(3)]
+    for kv in victim:
+        s.put(kv)
+    before = hit_rate(s, [kv.key for kv in victim])
+    counted = quota_evictions(tier)
+    for i in range(40):  # ten times its quota
+        s.put(tenant_kv(FLOOD, i))
+        if tier == "disk":
+            time.sleep(0.002)  # (mtime order)
+    assert before == hit_rate(s, [kv.key for kv in victim]) == 1.0
+    for kv in victim:
+        assert_same(s.get(kv.key), kv)
+    usage = s.tenant_usage()
+    assert usage[FLOOD][0] <= one * 4 and usage[FLOOD][1] == 4 and usage[VICTIM][1] == 3
+    assert hit_rate(s, [f"plain-bb{i}" for i in range(36, 40)]) == 1.0  # the flood keeps its most recent
+    assert s.stats.quota_evictions == 36 and quota_evictions(tier) - counted == 36
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_over_the_tier_budget_the_tenant_holding_the_most_evicts_its_own_oldest_first(tier, tmp_path):
+    # No quota set: a tenant filling the tier evicts itself once it is the largest, never a smaller tenant.
+    one = entry_size(tier)
+    s = MemoryStore(max_bytes=one * 10, pin=False) if tier == "memory" else DiskStore(tmp_path, max_bytes=one * 10)
+    victim = [tenant_kv(VICTIM, i) for i in range(3)]
+    for kv in victim:
+        s.put(kv)
+        if tier == "disk":
+            time.sleep(0.002)
+    for i in range(30):
+        s.put(tenant_kv(FLOOD, i))
+        if tier == "disk":
+            time.sleep(0.002)
+    assert hit_rate(s, [kv.key for kv in victim]) == 1.0
+    assert s.get("plain-bb29") is not None and s.get("plain-bb0") is None
+    assert s.stats.quota_evictions == 0 and s.stats.evictions > 0
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_quota_by_entries_evicts_the_tenants_least_recently_used_entry(tier, tmp_path):
+    s = (
+        MemoryStore(pin=False, quota=TenantQuota(max_entries=2))
+        if tier == "memory"
+        else DiskStore(tmp_path, quota=TenantQuota(max_entries=2))
+    )
+    a0, a1, a2 = (tenant_kv(FLOOD, i) for i in range(3))
+    s.put(a0)
+    time.sleep(0.01)
+    s.put(a1)
+    time.sleep(0.01)
+    assert s.get(a0.key) is not None  # a0 is now the more recent
+    time.sleep(0.01)
+    s.put(a2)
+    assert sorted(k for k in s.keys()) == sorted([a0.key, a2.key])
+    assert s.stats.quota_evictions == 1
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_an_entry_larger_than_its_tenants_whole_quota_is_not_stored_and_is_counted(tier, tmp_path):
+    one = entry_size(tier)
+    q = TenantQuota(max_bytes=one - 1)
+    s = MemoryStore(pin=False, quota=q) if tier == "memory" else DiskStore(tmp_path, quota=q)
+    s.put(tenant_kv(VICTIM, 0))
+    assert s.keys() == [] and s.stats.quota_refusals == 1 and s.stats.puts == 0
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("memory?tenant_max_bytes=0", "at least one byte"),
+        ("memory?tenant_max_bytes=lots", "byte count"),
+        ("disk:/tmp/x?tenant_max_entries=0", "tenant_max_entries must be a whole number"),
+        ("disk:/tmp/x?tenant_max_entries=1.5", "tenant_max_entries must be a whole number"),
+        ("gpu?max_bytes=1M&tenant_max_bytes=1M", "unknown gpu option 'tenant_max_bytes'"),
+    ],
+)
+def test_bad_tenant_quota_options_are_refused_by_name(spec, match):
+    with pytest.raises(ValueError, match=match):
+        open_store(spec)

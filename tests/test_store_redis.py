@@ -318,3 +318,42 @@ def test_a_planted_parts_manifest_sizes_no_allocation_before_its_parts_arrive(ur
         tracemalloc.stop()
     assert peak < 16 << 20, peak
     assert (size > MAX_ENTRY_BYTES) == (s.stats.corrupt == 1)
+
+
+def test_one_tenant_filling_its_redis_quota_leaves_another_tenants_hit_rate_unchanged(url, server):
+    # Review 3 B, in the tier every replica shares: the flood deletes its own oldest entries, never the victim's.
+    from test_store import FLOOD, VICTIM, hit_rate, quota_evictions, tenant_kv
+
+    one = len(codec.encode(tenant_kv(FLOOD, 0)))
+    s = open_store(url + f"&tenant_max_bytes={one * 4}")
+    peer = open_store(url + f"&tenant_max_bytes={one * 4}")  # another replica, same quota
+    victim = [tenant_kv(VICTIM, i) for i in range(3)]
+    for kv in victim:
+        s.put(kv)
+    before = hit_rate(s, [kv.key for kv in victim])
+    counted = quota_evictions("redis")
+    for i in range(20):
+        (s if i % 2 else peer).put(tenant_kv(FLOOD, i))
+    assert before == hit_rate(s, [kv.key for kv in victim]) == 1.0
+    for kv in victim:
+        assert_same(s.get(kv.key), kv)
+    flood = [f"plain-bb{i}" for i in range(20)]
+    assert [k for k in flood if s.contains(k)] == flood[-4:]  # its four most recent
+    assert s.tenant_usage()[FLOOD] == (one * 4, 4) and s.tenant_usage()[VICTIM][1] == 3
+    assert s.stats.quota_evictions + peer.stats.quota_evictions == 16 == quota_evictions("redis") - counted
+    assert sorted(s.keys()) == sorted([kv.key for kv in victim] + flood[-4:])  # the lists are no entries
+
+
+def test_redis_quota_lists_forget_entries_that_expired_without_evicting_for_them(url, server):
+    from test_store import FLOOD, tenant_kv
+
+    s = open_store(url + "&tenant_max_entries=2")
+    a0, a1, a2 = (tenant_kv(FLOOD, i) for i in range(3))
+    s.put(a0)
+    s.put(a1)
+    raw(server).delete(s._rkey(a0.key))  # gone behind the tier's back (ttl, maxmemory)
+    s.put(a2)
+    assert s.contains(a1.key) and s.contains(a2.key) and s.stats.quota_evictions == 0
+    assert s.tenant_usage()[FLOOD][1] == 2
+    s.clear()
+    assert raw(server).keys(s.prefix + "*") == []  # the lists go with the entries

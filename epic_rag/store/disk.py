@@ -6,6 +6,12 @@ one valid file. Every read checks the checksum, key, quant mode, dtypes and shap
 bad file is deleted and counted. A hit touches the file's mtime, and a byte budget evicts the least
 recently used files. The budget covers the whole folder and is enforced approximately across processes:
 each writer rescans the folder when its own count passes the budget, and at least every 30 s.
+
+Tenants (the tenant id in each file's header): a write that takes its tenant over `quota` evicts that tenant's
+own least recently used files (the writer rescans the folder after each write while a quota is set); over the
+budget, the least recently used files of the tenant holding the most bytes go first, so a tenant filling the
+folder evicts itself once it is the largest, never a smaller tenant's. A file's tenant is read from its header
+once (a few KiB) and remembered by inode.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import uuid
 from pathlib import Path
 
 from . import codec
-from .base import ChunkKV, ChunkStore, RecordHead, check_key, check_quant
+from .base import ChunkKV, ChunkStore, RecordHead, TenantQuota, check_key, check_quant, evict_order
+from .metrics import QUOTA_EVICTIONS, QUOTA_REFUSALS
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +87,12 @@ class DiskStore(ChunkStore):
         quant: str = "none",
         fsync: bool = False,
         secret: str | bytes | None = None,
+        quota: TenantQuota | None = None,
     ) -> None:
         super().__init__()
         check_quant(quant)
+        self.quota = quota or TenantQuota()
+        self._tenants: dict[str, tuple[int, int, str]] = {}  # path -> (inode, size, tenant id) read from its header
         self.secret = codec.deployment_secret(secret)
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError("disk store budget must be positive")
@@ -206,6 +216,12 @@ class DiskStore(ChunkStore):
             return
         if self.max_bytes is not None and len(data) > self.max_bytes:
             return  # larger than the whole budget
+        if not self.quota.fits(len(data)):
+            with self._lock:
+                self.stats.quota_refusals += 1
+            QUOTA_REFUSALS.labels(self.name).inc()
+            self._log_error("quota", f"disk tier {self.root}: chunk {kv.key} is over its tenant's whole quota here")
+            return
         path = self._path(kv.key)
         tmp = self.root / f"{_TMP}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}"
         try:
@@ -221,6 +237,9 @@ class DiskStore(ChunkStore):
                 except OSError:
                     old = 0
                 os.replace(tmp, path)
+                st = os.lstat(path)
+                with self._lock:
+                    self._tenants[str(path)] = (st.st_ino, st.st_size, kv.tenant)
             except BaseException:
                 try:
                     os.unlink(tmp)
@@ -242,11 +261,12 @@ class DiskStore(ChunkStore):
             self._approx_bytes += len(data) - old
             self.stats.bytes = self._approx_bytes
             self.stats.entries += old == 0
-            due = self.max_bytes is not None and (
-                self._approx_bytes > self.max_bytes or time.monotonic() - self._last_scan > _RESCAN_S
+            due = self.quota.active or (
+                self.max_bytes is not None
+                and (self._approx_bytes > self.max_bytes or time.monotonic() - self._last_scan > _RESCAN_S)
             )
         if due:
-            self._evict()
+            self._evict(kv.tenant, str(path))
 
     # ------------------------------------------------------------------ budget
     def _stats(self):
@@ -286,36 +306,98 @@ class DiskStore(ChunkStore):
             self.stats.entries = len(entries)
             self._last_scan = time.monotonic()
 
-    def _evict(self) -> None:
+    def _tenant_of(self, path: str, st: os.stat_result) -> str | None:
+        """The tenant id in a file's header (remembered by inode); None when it cannot be read."""
+        with self._lock:
+            known = self._tenants.get(path)
+        if known is not None and known[:2] == (st.st_ino, st.st_size):
+            return known[2]
+        try:
+            fd, _ = _open_entry(Path(path))
+        except OSError:
+            return None
+        try:
+            head = os.pread(fd, 8 + (1 << 20), 0)
+            tenant = codec.read_header(head[: 8 + codec.header_length(head)])[1].get("tenant", "")
+        except (OSError, codec.CorruptEntry):
+            return None
+        finally:
+            os.close(fd)
+        if not isinstance(tenant, str):
+            return None
+        with self._lock:
+            self._tenants[path] = (st.st_ino, st.st_size, tenant)
+        return tenant
+
+    def _tenant_at(self, path: str) -> str | None:
+        try:
+            return self._tenant_of(path, os.lstat(path))
+        except OSError:
+            return None
+
+    def _evict(self, tenant: str | None = None, keep: str = "") -> None:
+        """Bring `tenant` (the writer's) under its quota, then the folder under its budget (module docstring)."""
         if not self._evict_lock.acquire(blocking=False):
             return  # another thread is already evicting
         try:
-            entries = sorted(self._scan())
+            entries = sorted(self._scan())  # least recently used first
             total = sum(s for _, s, _ in entries)
-            n = len(entries)
-            evicted = 0
-            if self.max_bytes is not None and total > self.max_bytes:
-                target = self.max_bytes * _LOW_WATER
-                for _, size, p in entries:
-                    if total <= target:
+            victims: list[str] = []
+            quota_victims = 0
+            if tenant is not None and self.quota.active:
+                own = [(p, size) for _, size, p in entries if self._tenant_at(p) == tenant]
+                nbytes, n = sum(size for _, size in own), len(own)
+                for p, size in own:
+                    if not self.quota.over(nbytes, n):
                         break
-                    try:
-                        os.unlink(p)
-                        evicted += 1
-                    except FileNotFoundError:
-                        pass  # another process evicted it
-                    except OSError as e:
-                        self._log_error("evict", f"disk tier {self.root}: cannot evict {p}: {e}")
-                        continue
-                    total -= size
-                    n -= 1
+                    if p != keep:
+                        victims.append(p)
+                        nbytes, n = nbytes - size, n - 1
+                quota_victims = len(victims)
+            if self.max_bytes is not None and total > self.max_bytes:
+                gone = set(victims)
+                held: dict[str, list[tuple[str, int]]] = {}
+                for _, size, p in entries:
+                    if p not in gone:
+                        t = self._tenant_at(p)
+                        held.setdefault("?" if t is None else t, []).append((p, size))
+                target = self.max_bytes * _LOW_WATER
+                victims += evict_order(held, lambda _, left: left > target, keep)
+            sizes = {p: size for _, size, p in entries}
+            evicted = 0
+            for i, p in enumerate(victims):
+                try:
+                    os.unlink(p)
+                    evicted += 1
+                except FileNotFoundError:
+                    pass  # another process evicted it
+                except OSError as e:
+                    self._log_error("evict", f"disk tier {self.root}: cannot evict {p}: {e}")
+                    continue
+                total -= sizes[p]
+                if i < quota_victims:
+                    QUOTA_EVICTIONS.labels(self.name).inc()
+                    with self._lock:
+                        self.stats.quota_evictions += 1
             with self._lock:
                 self.stats.evictions += evicted
                 self._approx_bytes = self.stats.bytes = total
-                self.stats.entries = n
+                self.stats.entries = len(entries) - evicted
                 self._last_scan = time.monotonic()
+                for p in victims:
+                    self._tenants.pop(p, None)
         finally:
             self._evict_lock.release()
+
+    def tenant_usage(self) -> dict[str, tuple[int, int]]:
+        """tenant id -> (bytes, files) in the folder (all quant namespaces; "?" for files whose header cannot
+        be read)."""
+        out: dict[str, tuple[int, int]] = {}
+        for _, size, p in self._scan():
+            t = self._tenant_at(p)
+            b, n = out.get("?" if t is None else t, (0, 0))
+            out["?" if t is None else t] = (b + size, n + 1)
+        return out
 
     # ------------------------------------------------------------------ listing
     def usage(self) -> dict[str, int]:
