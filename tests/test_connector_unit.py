@@ -550,6 +550,45 @@ def test_every_connector_option_is_checked_at_start_up_and_an_unknown_one_is_ref
         ({"workspace_tokens": 1.5}, "workspace_tokens"),
         ({"tenant": "a:b"}, "without ':'"),
         ({"allow_client_find": 1}, "must be true or false"),
+        ({"max_compile_tokens": 0}, "max_compile_tokens must be an integer >= 1 or null"),
+        ({"max_compile_tokens": True}, "max_compile_tokens must be an integer >= 1 or null"),
     ):
         with pytest.raises(ValueError, match=why):
             ConnectorConfig.from_extra(extra)
+
+
+def test_a_compile_over_max_compile_tokens_fails_with_a_clear_error_before_anything_is_captured_or_stored():
+    # Review 3 B: one request could store a whole context window of KV in the shared store.
+    from prometheus_client import REGISTRY
+
+    from epic_rag.engine.jobs import CompileRequest
+
+    def refusals() -> float:
+        return REGISTRY.get_sample_value("epic_rag_compile_refusals_total", {"reason": "tokens"}) or 0.0
+
+    assert (
+        ConnectorConfig().max_compile_tokens == 4096
+        and ConnectorConfig.from_extra({"max_compile_tokens": None}).max_compile_tokens is None
+    )
+    prompt = [SINK] + list(range(100, 120))  # the sink, then a 20-token chunk: a record of 21 tokens
+    steps = [(0, 12), (12, len(prompt))]
+    for bound, refused in ((20, True), (21, False)):
+        stores = _stores()
+        specs = [cm.CaptureSpec("r", CompileRequest(None, 1), [0, 1], a, b, len(prompt), prompt) for a, b in steps]
+        c = _worker(cm.EpicMeta(captures=specs[:1]), stores)
+        c.max_compile_tokens, counted = bound, refusals()
+        captured = []
+        c._capture_buffer = lambda spec: captured.append(spec) or 1 / 0  # (the linker's copy is not under test)
+        for spec in specs:
+            c._get_connector_metadata = lambda spec=spec: cm.EpicMeta(captures=[spec])
+            c.wait_for_save()
+        out = c.build_connector_worker_meta().results["r"]
+        if refused:
+            assert out == {
+                "error": "epic compile: its record would hold 21 tokens, over this server's max_compile_tokens (20); "
+                "nothing stored"
+            }
+            assert captured == [] and refusals() - counted == 1  # counted once per request
+        else:
+            assert captured and "max_compile_tokens" not in out["error"]
+        assert stores.chunks.keys() == []

@@ -18,6 +18,7 @@ from ...keys import rank_key
 from ...policy import SINK_LEN
 from ...redact import redact
 from ...store import ChunkKV, RecordHead
+from ...store.metrics import COMPILE_REFUSALS
 from .. import vllm_api
 from ..jobs import Capture, LinkJob, LinkSpan
 from ..link import rope
@@ -45,6 +46,7 @@ class WorkerSide:
     """The worker-side hooks of EpicConnector (mixed into it; its state set by `_init_worker`)."""
 
     def _init_worker(self, config: ConnectorConfig) -> None:
+        self.max_compile_tokens = config.max_compile_tokens
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.linker: Linker | None = None
         self.stores: ChunkStores | None = None
@@ -384,6 +386,10 @@ class WorkerSide:
             return
         for spec in meta.captures:
             try:
+                refused = self._over_compile_bound(spec)
+                if refused is not None:  # before its buffer is allocated: nothing captured, nothing stored
+                    self._step_results[spec.req_id] = {"error": refused}
+                    continue
                 cap = self._capture_buffer(spec)
                 # A first step that starts past 0 had its head from vLLM's prefix cache: exact KV of the same
                 # tokens (a compile is never scoped as a link is), captured from those pages too.
@@ -403,6 +409,18 @@ class WorkerSide:
             except Exception as e:
                 self._captures.pop(spec.req_id, None)
                 self._step_results[spec.req_id] = {"error": _internal_error(f"capturing {spec.req_id} failed", e)}
+
+    def _over_compile_bound(self, spec: CaptureSpec) -> str | None:
+        """Why a compile is refused (max_compile_tokens), or None. Counted once, at its last step."""
+        n = spec.num_prompt - max(spec.compile.lead, 1) + 1  # its record: the sink and the chunk (as _capture_buffer)
+        if self.max_compile_tokens is None or n <= self.max_compile_tokens:
+            return None
+        if spec.end == spec.num_prompt:
+            COMPILE_REFUSALS.labels("tokens").inc()
+        return (
+            f"epic compile: its record would hold {n} tokens, over this server's max_compile_tokens "
+            f"({self.max_compile_tokens}); nothing stored"
+        )
 
     def _store(self, spec: CaptureSpec, cap: Capture) -> None:
         """Store a complete compile's record under the key derived here (a client key that differs is refused:
