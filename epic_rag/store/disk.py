@@ -38,6 +38,7 @@ _STALE_TMP_S = 3600.0
 _LOW_WATER = 0.9  # eviction frees down to this fraction of the budget
 # An entry is opened without following a link and without waiting (a FIFO planted under a key's name would
 # block a plain open, inside the engine step), then read only if it is a regular file.
+_HEAD_BYTES = 64 << 10
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -65,6 +66,17 @@ def _open_entry(path: Path) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, st
+
+
+def _read_header(fd: int) -> bytes:
+    """An entry's first 8 + header-length bytes (one read of 64 KiB for any genuine header); CorruptEntry when
+    the file is shorter."""
+    first = os.pread(fd, _HEAD_BYTES, 0)
+    end = 8 + codec.header_length(first)
+    head = first[:end] if end <= len(first) else os.pread(fd, end, 0)
+    if len(head) != end:
+        raise codec.CorruptEntry("entry is shorter than its header")
+    return head
 
 
 def _read_into(fd: int, view: memoryview) -> int:
@@ -151,7 +163,10 @@ class DiskStore(ChunkStore):
             self._log_error("read", f"disk tier {self.root}: cannot read {path.name}: {e}")
             return None
         try:
-            buf = bytearray(st.st_size)
+            try:
+                buf = bytearray(st.st_size)
+            except MemoryError:  # no room now: a miss, the entry kept (it may well be sound)
+                raise OSError(f"no memory for its {st.st_size} bytes") from None
             got = _read_into(fd, memoryview(buf))
             if got != len(buf):
                 raise codec.CorruptEntry(f"file shrank while reading ({got} of {len(buf)} bytes)")
@@ -184,12 +199,9 @@ class DiskStore(ChunkStore):
         except OSError:
             return None
         try:
-            head = bytearray(min(st.st_size, 8 + (1 << 20)))
-            got = _read_into(fd, memoryview(head))
-            hlen = codec.header_length(head[:got])
-            if 8 + hlen > got:
-                return None
-            return codec.head_of(head[: 8 + hlen], lambda begin, n: os.pread(fd, n, 8 + hlen + begin), key, self.quant)
+            head = _read_header(fd)
+            hlen = len(head) - 8
+            return codec.head_of(head, lambda begin, n: os.pread(fd, n, 8 + hlen + begin), key, self.quant)
         except (OSError, codec.CorruptEntry):
             return None
         finally:
@@ -317,8 +329,7 @@ class DiskStore(ChunkStore):
         except OSError:
             return None
         try:
-            head = os.pread(fd, 8 + (1 << 20), 0)
-            tenant = codec.read_header(head[: 8 + codec.header_length(head)])[1].get("tenant", "")
+            tenant = codec.read_header(_read_header(fd))[1].get("tenant", "")
         except (OSError, codec.CorruptEntry):
             return None
         finally:
