@@ -120,16 +120,16 @@ class TenantQuota:
         )
 
 
-def evict_order(held: dict[str, list[tuple[str, int]]], over: Callable[[dict[str, int], int], bool], keep: str):
+def evict_order(held: dict[str, list[tuple[str, int]]], limit: float, keep: str) -> list[str]:
     """The entries to evict, in order, from `held` (tenant -> [(name, size)], least recently used first) until
-    `over(tenant bytes, total bytes)` is false: always the oldest entry of the tenant holding the most bytes
-    (so a tenant filling a tier evicts itself once it is the largest, never a smaller tenant's), never `keep`
-    (the entry just written)."""
+    they total at most `limit` bytes: always the oldest entry of the tenant holding the most bytes (so a tenant
+    filling a tier evicts itself once it is the largest, never a smaller tenant's), never `keep` (the entry
+    just written)."""
     queues = {t: [e for e in es if e[0] != keep] for t, es in held.items()}
     sizes = {t: sum(n for _, n in es) for t, es in held.items()}
     total = sum(sizes.values())
     out = []
-    while over(sizes, total):
+    while total > limit:
         t = max((t for t in queues if queues[t]), key=lambda t: sizes[t], default=None)
         if t is None:
             break

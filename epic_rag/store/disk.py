@@ -373,7 +373,7 @@ class DiskStore(ChunkStore):
                         t = self._tenant_at(p)
                         held.setdefault("?" if t is None else t, []).append((p, size))
                 target = self.max_bytes * _LOW_WATER
-                victims += evict_order(held, lambda _, left: left > target, keep)
+                victims += evict_order(held, target, keep)
             sizes = {p: size for _, size, p in entries}
             evicted = 0
             for i, p in enumerate(victims):

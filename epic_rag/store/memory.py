@@ -149,7 +149,7 @@ class MemoryStore(ChunkStore):
                 QUOTA_EVICTIONS.labels(self.name).inc()
             if self.stats.bytes > self.max_bytes:
                 held = {t: [(k, self._sizes[k]) for k in keys] for t, keys in self._held.items()}
-                for k in evict_order(held, lambda _, total: total > self.max_bytes, keep=kv.key):
+                for k in evict_order(held, self.max_bytes, keep=kv.key):
                     self._forget(k)
                     self.stats.evictions += 1
             self.stats.put_seconds += time.perf_counter() - t0
