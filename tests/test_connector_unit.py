@@ -121,6 +121,29 @@ def test_a_span_whose_record_is_missing_or_holds_other_tokens_is_recomputed_not_
         assert c.build_connector_worker_meta().results["r1"]["missing"] == expect_missing
 
 
+@pytest.mark.parametrize("b_is", ["other tokens", "another tenant's"])
+def test_a_link_decodes_no_record_whose_header_says_it_cannot_serve_the_span(tmp_path, monkeypatch, b_is):
+    # Review 3 F: each named record was read and decoded whole before its tokens were compared, so one link
+    # naming 512 records that cannot serve it cost 512 whole reads. Now its header and token ids come first.
+    from epic_rag.store import DiskStore, codec
+
+    b = _record("sink1-b", [SINK, 20, 21, 99] if b_is == "other tokens" else PROMPT[5:9])
+    if b_is != "other tokens":
+        b.tenant = tenant_id("someone else")
+    disk = DiskStore(tmp_path)
+    for r in (_record("sink1-a", PROMPT[0:5]), b):
+        disk.put(r)
+    decoded = []
+    real = codec.decode
+    monkeypatch.setattr(codec, "decode", lambda buf, key, *a: decoded.append(key) or real(buf, key, *a))
+    c = _worker(cm.EpicMeta(loads=[_load("r1", SPANS)]), ChunkStores(disk, MemoryStore()))
+    c.start_load_kv(None)
+    assert decoded == ["sink1-a"]
+    ((job, *_),) = c.linker.linked[0]
+    assert [sp.kv.token_ids for sp in job.spans] == [PROMPT[0:5]]
+    assert c.build_connector_worker_meta().results["r1"]["missing"] == ["sink1-b"]
+
+
 def _logged_detail(caplog, result: dict) -> str:
     """The log line a client's generic error points to by its id (the client sees no internals)."""
     eid = result["error"].split("(error ")[1].split(";")[0]
@@ -149,11 +172,16 @@ def test_a_failed_batch_fails_each_request_through_its_blocks_without_raising_in
 def test_a_store_that_raises_fails_only_the_request_it_was_reading_for(caplog):
     stores = _stores(_record("sink1-b", PROMPT[5:9]))
 
-    class Exploding(MemoryStore):
+    class Exploding(MemoryStore):  # every read of sink1-a raises (its header first, as a link reads it)
         def get(self, key):
             if key == "sink1-a":
                 raise OSError("disk gone")
             return stores.chunks.get(key)
+
+        def peek(self, key):
+            if key == "sink1-a":
+                raise OSError("disk gone")
+            return stores.chunks.peek(key)
 
     c = _worker(cm.EpicMeta(loads=[_load("r1", SPANS), _load("r2", SPANS[1:], block_ids=(7, 8, 9))]), stores)
     c.stores = ChunkStores(Exploding(), stores.glue)
@@ -522,6 +550,45 @@ def test_every_connector_option_is_checked_at_start_up_and_an_unknown_one_is_ref
         ({"workspace_tokens": 1.5}, "workspace_tokens"),
         ({"tenant": "a:b"}, "without ':'"),
         ({"allow_client_find": 1}, "must be true or false"),
+        ({"max_compile_tokens": 0}, "max_compile_tokens must be an integer >= 1 or null"),
+        ({"max_compile_tokens": True}, "max_compile_tokens must be an integer >= 1 or null"),
     ):
         with pytest.raises(ValueError, match=why):
             ConnectorConfig.from_extra(extra)
+
+
+def test_a_compile_over_max_compile_tokens_fails_with_a_clear_error_before_anything_is_captured_or_stored():
+    # Review 3 B: one request could store a whole context window of KV in the shared store.
+    from prometheus_client import REGISTRY
+
+    from epic_rag.engine.jobs import CompileRequest
+
+    def refusals() -> float:
+        return REGISTRY.get_sample_value("epic_rag_compile_refusals_total", {"reason": "tokens"}) or 0.0
+
+    assert (
+        ConnectorConfig().max_compile_tokens == 4096
+        and ConnectorConfig.from_extra({"max_compile_tokens": None}).max_compile_tokens is None
+    )
+    prompt = [SINK] + list(range(100, 120))  # the sink, then a 20-token chunk: a record of 21 tokens
+    steps = [(0, 12), (12, len(prompt))]
+    for bound, refused in ((20, True), (21, False)):
+        stores = _stores()
+        specs = [cm.CaptureSpec("r", CompileRequest(None, 1), [0, 1], a, b, len(prompt), prompt) for a, b in steps]
+        c = _worker(cm.EpicMeta(captures=specs[:1]), stores)
+        c.max_compile_tokens, counted = bound, refusals()
+        captured = []
+        c._capture_buffer = lambda spec: captured.append(spec) or 1 / 0  # (the linker's copy is not under test)
+        for spec in specs:
+            c._get_connector_metadata = lambda spec=spec: cm.EpicMeta(captures=[spec])
+            c.wait_for_save()
+        out = c.build_connector_worker_meta().results["r"]
+        if refused:
+            assert out == {
+                "error": "epic compile: its record would hold 21 tokens, over this server's max_compile_tokens (20); "
+                "nothing stored"
+            }
+            assert captured == [] and refusals() - counted == 1  # counted once per request
+        else:
+            assert captured and "max_compile_tokens" not in out["error"]
+        assert stores.chunks.keys() == []

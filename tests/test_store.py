@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from epic_rag.store import ChunkKV, CorruptEntry, DiskStore, MemoryStore, TieredStore, codec, open_store
+from epic_rag.store.base import TenantQuota
 from epic_rag.store.spec import parse_size
 
 L, T, H, D = 3, 17, 2, 8
@@ -226,6 +227,109 @@ def test_truncated_file_is_detected_counted_and_removed(keep, tmp_path):
     p.write_bytes(data[:keep] if keep >= 0 else data[:-1])
     assert s.get(kv.key) is None
     assert s.stats.corrupt == 1 and not p.exists()
+
+
+def _nested_entry(kv: ChunkKV, where: str, depth: int = 100_000) -> bytes:
+    """kv's entry with JSON nested `depth` levels deep in its safetensors header or in its epic header."""
+    if where == "safetensors header":
+        head = b'{"x":' + b"[" * depth + b"]" * depth + b"}"
+        return len(head).to_bytes(8, "little") + head
+    meta, tensors = codec.pack(kv, "none")
+    from safetensors.torch import save
+
+    return save(tensors, metadata={"epic": "[" * depth + "]" * depth})
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"], ids=["sha256", "hmac"])
+@pytest.mark.parametrize("where", ["safetensors header", "epic header"])
+def test_a_header_nested_past_the_depth_limit_is_dropped_as_a_corrupt_miss_not_raised(where, secret, tmp_path):
+    # Review 3 C: json.loads of a 100k-deep header raised RecursionError out of DiskStore.get, so the entry was
+    # never dropped and every link to its key failed (on_missing: recompute included).
+    kv = make_kv()
+    data = _nested_entry(kv, where)
+    with pytest.raises(CorruptEntry, match="nests deeper"):
+        codec.decode(data, kv.key, secret=secret.encode() if secret else None)
+    s = DiskStore(tmp_path, secret=secret)
+    entry_path(s, kv.key).write_bytes(data)
+    assert s.get(kv.key) is None
+    assert s.stats.corrupt == 1 and s.stats.misses == 1 and not entry_path(s, kv.key).exists()
+    s.put(kv)  # the recompiled entry takes its place
+    assert_same(s.get(kv.key), kv)
+
+
+def test_decode_turns_any_error_of_unforeseen_bytes_into_a_corrupt_entry(monkeypatch):
+    # Whatever a check trips over (here: a RecursionError from deep inside), the reader sees CorruptEntry, the
+    # one exception every tier drops an entry for.
+    kv = make_kv()
+
+    def boom(*a):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(codec, "_check_meta", boom)
+    with pytest.raises(CorruptEntry, match="RecursionError"):
+        codec.decode(codec.encode(kv), kv.key)
+
+
+def test_json_depth_counts_brackets_outside_strings_only():
+    assert codec.json_depth(b'{"a": [1, {"b": "[[[{{{"}], "c": "\\"}') == 3
+    assert codec.json_depth(b'"[[["') == 0 and codec.json_depth(b"[" * 50) == 50
+
+
+def test_a_fifo_under_a_keys_file_name_is_a_miss_at_once_and_dropped(tmp_path):
+    # Review 3 C: open() of a FIFO blocks until a writer comes: DiskStore.get hung inside the engine step.
+    s = DiskStore(tmp_path)
+    p = entry_path(s, "plain-aaaa")
+    os.mkfifo(p)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(s.get("plain-aaaa")), daemon=True)
+    reader.start()
+    reader.join(timeout=5)
+    try:
+        assert not reader.is_alive(), "DiskStore.get blocked on a FIFO"
+        assert got == [None] and s.stats.corrupt == 1 and not p.exists()
+        assert s.peek("plain-aaaa") is None and not s.contains("plain-aaaa") and s.keys() == []
+    finally:
+        if reader.is_alive():  # release the blocked reader (old code) so the test process can end
+            os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_a_symbolic_link_under_a_keys_file_name_is_never_followed(tmp_path):
+    # A link planted in the shared folder (to a genuine entry elsewhere, or to any file the engine can read)
+    # is not an entry: dropped (the link, never its target) and missed.
+    elsewhere = DiskStore(tmp_path / "elsewhere")
+    kv = make_kv()
+    elsewhere.put(kv)
+    s = DiskStore(tmp_path / "tier")
+    p = entry_path(s, kv.key)
+    p.symlink_to(entry_path(elsewhere, kv.key))
+    assert s.get(kv.key) is None
+    assert s.stats.corrupt == 1 and not os.path.lexists(p)
+    p.symlink_to(entry_path(elsewhere, kv.key))
+    assert s.peek(kv.key) is None and not s.contains(kv.key) and s.usage() == {}
+    assert_same(elsewhere.get(kv.key), kv)  # the target is untouched
+
+
+def test_peek_reads_a_records_tokens_and_context_without_its_kv(tmp_path, monkeypatch):
+    kv = make_kv()
+    kv.tenant, kv.lead = "ab" * 32, "cd" * 32
+    for s in (
+        MemoryStore(),
+        MemoryStore(quant="int8"),
+        DiskStore(tmp_path),
+        TieredStore([MemoryStore(), DiskStore(tmp_path)]),
+    ):
+        s.put(kv)
+        monkeypatch.setattr(codec, "decode", None)  # no tier may decode a whole entry to peek
+        head = s.peek(kv.key)
+        monkeypatch.undo()
+        assert (head.key, head.token_ids, head.tenant, head.lead, head.base_pos) == (
+            kv.key,
+            kv.token_ids,
+            kv.tenant,
+            kv.lead,
+            kv.base_pos,
+        )
+        assert s.peek("plain-nothere") is None and s.stats.hits == 0
 
 
 def test_entry_of_another_key_is_not_returned(tmp_path):
@@ -739,3 +843,116 @@ def test_memory_tier_pins_its_records_only_where_a_cuda_device_exists():
     m.put(kv)
     if not m.pin:  # an unpinned tier keeps the very object, no copy
         assert m.get("plain-p") is kv
+
+
+# ------------------------------------------------------------------ tenant quotas (review 3 B)
+VICTIM, FLOOD = "aa" * 32, "bb" * 32  # tenant ids (keys.tenant_id: hex)
+
+
+def tenant_kv(tenant: str, i: int) -> ChunkKV:
+    kv = make_kv(f"plain-{tenant[:2]}{i}", seed=i)
+    kv.tenant = tenant
+    return kv
+
+
+def entry_size(tier: str) -> int:
+    """What one tenant_kv entry takes from a budget: its file on disk, its tensors in memory."""
+    kv = tenant_kv(FLOOD, 0)
+    return len(codec.encode(kv)) if tier == "disk" else kv.nbytes
+
+
+def hit_rate(store, keys) -> float:
+    return sum(store.get(k) is not None for k in keys) / len(keys)
+
+
+def quota_evictions(tier: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("epic_rag_store_quota_evictions_total", {"tier": tier}) or 0.0
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_one_tenant_filling_its_quota_leaves_another_tenants_hit_rate_unchanged(tier, tmp_path):
+    # Review 3 B: the LRU was global, so one tenant's compiles evicted every other tenant's chunks.
+    one = entry_size(tier)
+    where = "memory" if tier == "memory" else f"disk:{tmp_path}"
+    pin = "&pin=0" if tier == "memory" else ""
+    s = open_store(f"{where}?max_bytes={one * 10}&tenant_max_bytes={one * 4}{pin}")
+    victim = [tenant_kv(VICTIM, i) for i in range(3)]
+    for kv in victim:
+        s.put(kv)
+    before = hit_rate(s, [kv.key for kv in victim])
+    counted = quota_evictions(tier)
+    for i in range(40):  # ten times its quota
+        s.put(tenant_kv(FLOOD, i))
+        if tier == "disk":
+            time.sleep(0.002)  # (mtime order)
+    assert before == hit_rate(s, [kv.key for kv in victim]) == 1.0
+    for kv in victim:
+        assert_same(s.get(kv.key), kv)
+    usage = s.tenant_usage()
+    assert usage[FLOOD][0] <= one * 4 and usage[FLOOD][1] == 4 and usage[VICTIM][1] == 3
+    assert hit_rate(s, [f"plain-bb{i}" for i in range(36, 40)]) == 1.0  # the flood keeps its most recent
+    assert s.stats.quota_evictions == 36 and quota_evictions(tier) - counted == 36
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_over_the_tier_budget_the_tenant_holding_the_most_evicts_its_own_oldest_first(tier, tmp_path):
+    # No quota set: a tenant filling the tier evicts itself once it is the largest, never a smaller tenant.
+    one = entry_size(tier)
+    s = MemoryStore(max_bytes=one * 10, pin=False) if tier == "memory" else DiskStore(tmp_path, max_bytes=one * 10)
+    victim = [tenant_kv(VICTIM, i) for i in range(3)]
+    for kv in victim:
+        s.put(kv)
+        if tier == "disk":
+            time.sleep(0.002)
+    for i in range(30):
+        s.put(tenant_kv(FLOOD, i))
+        if tier == "disk":
+            time.sleep(0.002)
+    assert hit_rate(s, [kv.key for kv in victim]) == 1.0
+    assert s.get("plain-bb29") is not None and s.get("plain-bb0") is None
+    assert s.stats.quota_evictions == 0 and s.stats.evictions > 0
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_quota_by_entries_evicts_the_tenants_least_recently_used_entry(tier, tmp_path):
+    s = (
+        MemoryStore(pin=False, quota=TenantQuota(max_entries=2))
+        if tier == "memory"
+        else DiskStore(tmp_path, quota=TenantQuota(max_entries=2))
+    )
+    a0, a1, a2 = (tenant_kv(FLOOD, i) for i in range(3))
+    s.put(a0)
+    time.sleep(0.01)
+    s.put(a1)
+    time.sleep(0.01)
+    assert s.get(a0.key) is not None  # a0 is now the more recent
+    time.sleep(0.01)
+    s.put(a2)
+    assert sorted(k for k in s.keys()) == sorted([a0.key, a2.key])
+    assert s.stats.quota_evictions == 1
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_an_entry_larger_than_its_tenants_whole_quota_is_not_stored_and_is_counted(tier, tmp_path):
+    one = entry_size(tier)
+    q = TenantQuota(max_bytes=one - 1)
+    s = MemoryStore(pin=False, quota=q) if tier == "memory" else DiskStore(tmp_path, quota=q)
+    s.put(tenant_kv(VICTIM, 0))
+    assert s.keys() == [] and s.stats.quota_refusals == 1 and s.stats.puts == 0
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("memory?tenant_max_bytes=0", "at least one byte"),
+        ("memory?tenant_max_bytes=lots", "byte count"),
+        ("disk:/tmp/x?tenant_max_entries=0", "tenant_max_entries must be a whole number"),
+        ("disk:/tmp/x?tenant_max_entries=1.5", "tenant_max_entries must be a whole number"),
+        ("gpu?max_bytes=1M&tenant_max_bytes=1M", "unknown gpu option 'tenant_max_bytes'"),
+    ],
+)
+def test_bad_tenant_quota_options_are_refused_by_name(spec, match):
+    with pytest.raises(ValueError, match=match):
+        open_store(spec)

@@ -13,6 +13,7 @@ import torch
 from test_store import DTYPES, assert_same, make_kv
 
 from epic_rag.store import DiskStore, RedisStore, TieredStore, codec, open_store
+from epic_rag.store import redis_tier as rt
 from epic_rag.testing.localredis import LocalRedis, free_port
 
 pytestmark = pytest.mark.skipif(
@@ -76,6 +77,40 @@ def test_corrupt_redis_value_is_dropped_and_counted(url, server, damage, caplog)
         assert s.get(kv.key) is None
     assert s.stats.corrupt == 1 and "corrupt entry" in caplog.text
     assert r.exists(rkey) == 0
+
+
+@pytest.mark.parametrize("what", ["value", "manifest"])
+def test_a_value_or_manifest_nested_past_the_depth_limit_is_dropped_as_a_corrupt_miss(url, server, what):
+    # Review 3 C: a 100k-deep header or parts manifest raised RecursionError out of RedisStore.get: never
+    # dropped, every link to the key failed.
+    from test_store import _nested_entry
+
+    s = open_store(url + "&secret=s3cret")
+    kv = make_kv()
+    r, rkey = raw(server), s._rkey(kv.key)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r.set(rkey, _nested_entry(kv, "epic header") if what == "value" else rt.MANIFEST + deep)
+    assert s.get(kv.key) is None
+    assert s.stats.corrupt == 1 and s.stats.misses == 1 and r.exists(rkey) == 0
+    s.put(kv)
+    assert_same(s.get(kv.key), kv)
+
+
+@pytest.mark.parametrize(
+    "part, tokens, decodes",
+    [("256M", 40, False), ("1K", 40, False), ("1K", 300, True)],
+    ids=["one value", "parts", "tokens past the first part"],
+)
+def test_redis_peek_reads_a_records_tokens_by_range_without_its_kv(url, monkeypatch, part, tokens, decodes):
+    s = open_store(url + f"&max_part_bytes={part}")
+    kv = make_kv(tokens=tokens)
+    kv.tenant = "ab" * 32
+    s.put(kv)
+    if not decodes:  # read by range: no entry decoded (else the whole entry is read, and checked, instead)
+        monkeypatch.setattr(codec, "decode", None)
+    head = s.peek(kv.key)
+    assert (head.token_ids, head.tenant, head.base_pos) == (kv.token_ids, kv.tenant, kv.base_pos)
+    assert s.peek("plain-nothere") is None and s.stats.corrupt == 0
 
 
 def test_ttl_expires_entries(url, server):
@@ -283,3 +318,42 @@ def test_a_planted_parts_manifest_sizes_no_allocation_before_its_parts_arrive(ur
         tracemalloc.stop()
     assert peak < 16 << 20, peak
     assert (size > MAX_ENTRY_BYTES) == (s.stats.corrupt == 1)
+
+
+def test_one_tenant_filling_its_redis_quota_leaves_another_tenants_hit_rate_unchanged(url, server):
+    # Review 3 B, in the tier every replica shares: the flood deletes its own oldest entries, never the victim's.
+    from test_store import FLOOD, VICTIM, hit_rate, quota_evictions, tenant_kv
+
+    one = len(codec.encode(tenant_kv(FLOOD, 0)))
+    s = open_store(url + f"&tenant_max_bytes={one * 4}")
+    peer = open_store(url + f"&tenant_max_bytes={one * 4}")  # another replica, same quota
+    victim = [tenant_kv(VICTIM, i) for i in range(3)]
+    for kv in victim:
+        s.put(kv)
+    before = hit_rate(s, [kv.key for kv in victim])
+    counted = quota_evictions("redis")
+    for i in range(20):
+        (s if i % 2 else peer).put(tenant_kv(FLOOD, i))
+    assert before == hit_rate(s, [kv.key for kv in victim]) == 1.0
+    for kv in victim:
+        assert_same(s.get(kv.key), kv)
+    flood = [f"plain-bb{i}" for i in range(20)]
+    assert [k for k in flood if s.contains(k)] == flood[-4:]  # its four most recent
+    assert s.tenant_usage()[FLOOD] == (one * 4, 4) and s.tenant_usage()[VICTIM][1] == 3
+    assert s.stats.quota_evictions + peer.stats.quota_evictions == 16 == quota_evictions("redis") - counted
+    assert sorted(s.keys()) == sorted([kv.key for kv in victim] + flood[-4:])  # the lists are no entries
+
+
+def test_redis_quota_lists_forget_entries_that_expired_without_evicting_for_them(url, server):
+    from test_store import FLOOD, tenant_kv
+
+    s = open_store(url + "&tenant_max_entries=2")
+    a0, a1, a2 = (tenant_kv(FLOOD, i) for i in range(3))
+    s.put(a0)
+    s.put(a1)
+    raw(server).delete(s._rkey(a0.key))  # gone behind the tier's back (ttl, maxmemory)
+    s.put(a2)
+    assert s.contains(a1.key) and s.contains(a2.key) and s.stats.quota_evictions == 0
+    assert s.tenant_usage()[FLOOD][1] == 2
+    s.clear()
+    assert raw(server).keys(s.prefix + "*") == []  # the lists go with the entries

@@ -55,6 +55,7 @@ class EpicEngine:
         stores = ChunkStores(store, new_glue_store())
         self._local = None if remote else register_local(stores)
         extra = {"store": config.store} if remote else {"local": self._local}
+        extra["max_compile_tokens"] = None  # the engine's own compiles (its chunks), not a client's: no bound
         self.dtype = vllm_api.prepare_process(config)
         ws = workspace_tokens(config.link_workspace_tokens, config.max_model_len)
         share = gpu_memory_share(config, str(self.model_dir), self.dtype, ws)

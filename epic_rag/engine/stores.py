@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..keys import record_key
-from ..store import ChunkKV, ChunkStore, KeyCheckedStore, MemoryStore, open_store
+from ..store import ChunkKV, ChunkStore, KeyCheckedStore, MemoryStore, RecordHead, open_store
 
 # The glue before the first chunk (system prompt, instructions) is client-controlled: its KV stays in this
 # bounded process-private LRU and never reaches the shared tiers, where every new system prompt would add
@@ -56,6 +56,12 @@ class ChunkStores:
             if not self.chunks.contains(key):
                 self._retry_at = time.monotonic() + RETRY_S
         return kv
+
+    def peek(self, key: str, glue: bool = False) -> RecordHead | None:
+        """A record's tokens and context without its KV (ChunkStore.peek), from where `get` would read it."""
+        if glue:
+            return self.glue.peek(key)
+        return self.chunks.peek(key) or self.recent.peek(key)
 
     def put(self, kv: ChunkKV, glue: bool = False) -> None:
         """Store a record this process compiled."""

@@ -3,7 +3,7 @@
 import contextlib
 
 from ..redact import redact
-from .base import ChunkKV, ChunkStore, CompileLock, FleetLock, TierStats
+from .base import ChunkKV, ChunkStore, CompileLock, FleetLock, RecordHead, TierStats
 from .checked import KeyCheckedStore
 from .codec import CorruptEntry
 from .disk import DiskStore
@@ -104,6 +104,7 @@ def __getattr__(name: str):
 __all__ = [
     "ChunkKV",
     "ChunkStore",
+    "RecordHead",
     "CompileLock",
     "FleetLock",
     "TierStats",

@@ -91,6 +91,76 @@ class ChunkKV:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class TenantQuota:
+    """What one tenant may hold in one tier (spec options tenant_max_bytes, tenant_max_entries; None: no
+    bound). A tenant's write that takes it over its quota evicts that tenant's own least recently used entries,
+    never another's; an entry larger than the whole quota is not stored in that tier."""
+
+    max_bytes: int | None = None
+    max_entries: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_entries"):
+            n = getattr(self, name)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+                raise ValueError(f"tenant_{name} must be a whole number >= 1, got {n!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.max_bytes is not None or self.max_entries is not None
+
+    def fits(self, size: int) -> bool:
+        """Whether one entry of `size` bytes may be held at all."""
+        return self.max_bytes is None or size <= self.max_bytes
+
+    def over(self, nbytes: int, entries: int) -> bool:
+        return (self.max_bytes is not None and nbytes > self.max_bytes) or (
+            self.max_entries is not None and entries > self.max_entries
+        )
+
+
+def evict_order(held: dict[str, list[tuple[str, int]]], limit: float, keep: str) -> list[str]:
+    """The entries to evict, in order, from `held` (tenant -> [(name, size)], least recently used first) until
+    they total at most `limit` bytes: always the oldest entry of the tenant holding the most bytes (so a tenant
+    filling a tier evicts itself once it is the largest, never a smaller tenant's), never `keep` (the entry
+    just written)."""
+    queues = {t: [e for e in es if e[0] != keep] for t, es in held.items()}
+    sizes = {t: sum(n for _, n in es) for t, es in held.items()}
+    total = sum(sizes.values())
+    out = []
+    while total > limit:
+        t = max((t for t in queues if queues[t]), key=lambda t: sizes[t], default=None)
+        if t is None:
+            break
+        name, n = queues[t].pop(0)
+        sizes[t] -= n
+        total -= n
+        out.append(name)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHead:
+    """What a reader learns of a stored record without its tensors (`ChunkStore.peek`): enough to refuse a
+    record that cannot serve a span (another tenant's, other tokens) before reading and decoding its KV. Not
+    verified (the checksum covers the whole entry): only ever a reason to skip a record, never to use one."""
+
+    key: str
+    token_ids: list[int]
+    tenant: str = ""
+    lead: str = ""
+    base_pos: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def of(cls, kv: ChunkKV) -> "RecordHead":
+        return cls(kv.key, kv.token_ids, kv.tenant, kv.lead, kv.base_pos)
+
+
 @dataclass(slots=True)
 class TierStats:
     """Counters one tier keeps; read by the CLI and the server's metrics (`ChunkStore.tier_stats`).
@@ -117,6 +187,8 @@ class TierStats:
     put_seconds: float = 0.0
     fleet_waits: int = 0
     fleet_takeovers: int = 0
+    quota_evictions: int = 0  # evicted because their tenant went over its quota here (also in `evictions`)
+    quota_refusals: int = 0  # not stored: one entry over its tenant's whole quota
     available: int = 1  # 0 while a remote tier is unreachable
 
     def as_dict(self) -> dict[str, float]:
@@ -160,6 +232,14 @@ class ChunkStore(ABC):
     @abstractmethod
     def get(self, key: str) -> ChunkKV | None:
         """The entry, or None when missing or unreadable (a corrupt entry is dropped and counted)."""
+
+    def peek(self, key: str) -> RecordHead | None:
+        """The entry's tokens and context ids without its KV, where a tier can read them cheaply (a file's or a
+        value's header and token ids); None when missing or unreadable. Counts nothing, drops nothing, moves
+        no LRU order: a caller that wants the entry then calls `get`, which checks it whole. This default
+        reads the whole entry."""
+        kv = self.get(key)
+        return None if kv is None else RecordHead.of(kv)
 
     @abstractmethod
     def put(self, kv: ChunkKV) -> None:

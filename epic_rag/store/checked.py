@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import ChunkKV, ChunkStore, FleetLock
+from .base import ChunkKV, ChunkStore, FleetLock, RecordHead
 
 
 class KeyCheckedStore(ChunkStore):
@@ -39,6 +39,9 @@ class KeyCheckedStore(ChunkStore):
             "misfiled", "chunk %s: the stored entry's tokens do not hash to its key; refused, recompiling", key
         )
         return None
+
+    def peek(self, key: str) -> RecordHead | None:
+        return self.inner.peek(key)  # a filter only: what is used comes through `get`, checked above
 
     def put(self, kv: ChunkKV) -> None:
         self.inner.put(kv)

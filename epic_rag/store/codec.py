@@ -36,10 +36,15 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import save as st_save
 
-from .base import ChunkKV, ChunkStore, check_quant
+from .base import ChunkKV, ChunkStore, RecordHead, check_quant
 
 FORMAT = "epic-chunk-kv/1"
 _MAX_HEADER = 1 << 20
+# JSON nesting a header may have: a genuine one is 2 deep (its tensor table) and its epic header 1 deep; a
+# deeper one is refused before json.loads, whose recursion a planted 100k-deep header would exhaust.
+MAX_JSON_DEPTH = 8
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 SECRET_ENV = "EPIC_RAG_KV_SECRET"
 _CHECKSUMS = ("sha256", "hmac")  # header fields the digests leave out
 _HEX = re.compile(r"[0-9a-f]{0,64}")  # a context id (keys.lead_id, keys.tenant_id) or none
@@ -224,18 +229,51 @@ def encode(kv: ChunkKV, quant: str = "none", secret: bytes | None = None) -> byt
     return st_save(tensors, metadata={"epic": json.dumps(meta, sort_keys=True)})
 
 
-def read_header(buf) -> tuple[dict, dict]:
-    """(safetensors tensor table, epic header) of an entry's bytes; raises CorruptEntry."""
+def json_depth(raw: bytes) -> int:
+    """How deep the arrays and objects of the JSON text `raw` nest (brackets inside strings do not count),
+    without parsing it: linear time, no recursion."""
+    depth = deepest = 0
+    for c in _JSON_STRING.sub(b'""', raw).translate(None, _NOT_BRACKETS):
+        depth += 1 if c in b"[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def loads_bounded(raw: bytes | str, what: str, max_depth: int = MAX_JSON_DEPTH):
+    """json.loads of `raw`, refused (CorruptEntry) when it nests deeper than `max_depth` or does not parse."""
+    if not isinstance(raw, (str, bytes, bytearray, memoryview)):
+        raise CorruptEntry(f"{what} is not JSON text")
+    data = raw.encode() if isinstance(raw, str) else bytes(raw)
+    if json_depth(data) > max_depth:
+        raise CorruptEntry(f"{what} nests deeper than {max_depth} levels")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # (RecursionError: the depth check above should make it moot)
+        raise CorruptEntry(f"{what} is unreadable ({type(e).__name__}: {e})") from e
+
+
+def header_length(buf) -> int:
+    """The safetensors header's length, from an entry's first 8 bytes; raises CorruptEntry."""
     view = memoryview(buf)
     if len(view) < 8:
         raise CorruptEntry(f"entry is {len(view)} bytes, too short for a header")
     (hlen,) = struct.unpack("<Q", view[:8])
-    if hlen > _MAX_HEADER or 8 + hlen > len(view):
+    if hlen > _MAX_HEADER:
+        raise CorruptEntry(f"entry header length {hlen} is over the {_MAX_HEADER}-byte limit")
+    return hlen
+
+
+def read_header(buf) -> tuple[dict, dict]:
+    """(safetensors tensor table, epic header) of an entry's bytes (its first 8 + header length bytes
+    suffice); raises CorruptEntry."""
+    view = memoryview(buf)
+    hlen = header_length(view)
+    if 8 + hlen > len(view):
         raise CorruptEntry(f"entry header length {hlen} does not fit its {len(view)} bytes (truncated?)")
+    table = loads_bounded(view[8 : 8 + hlen], "entry header")
     try:
-        table = json.loads(bytes(view[8 : 8 + hlen]))
-        meta = json.loads(table.pop("__metadata__")["epic"])
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        meta = loads_bounded(table.pop("__metadata__")["epic"], "entry header")
+    except (KeyError, TypeError, AttributeError) as e:
         raise CorruptEntry(f"entry header is unreadable ({type(e).__name__}: {e})") from e
     if not isinstance(table, dict) or not isinstance(meta, dict):
         raise CorruptEntry("entry header is not a JSON object")
@@ -246,8 +284,18 @@ def decode(buf: bytes | bytearray | memoryview, key: str, quant: str = "none", s
     """The ChunkKV in `buf`, after checking header, offsets, key, quant, dtypes, shapes and checksum (the
     HMAC under `secret`: an entry without a valid one is refused).
 
-    Raises CorruptEntry for anything else; never builds a tensor from unchecked bytes. A writable
-    buffer (bytearray) is used without a copy."""
+    Raises CorruptEntry for anything else, whatever went wrong (a reader drops the entry and misses: bytes
+    that trip an unforeseen error are no better than bytes that fail a check); never builds a tensor from
+    unchecked bytes. A writable buffer (bytearray) is used without a copy."""
+    try:
+        return _decode(buf, key, quant, secret)
+    except CorruptEntry:
+        raise
+    except Exception as e:
+        raise CorruptEntry(f"entry does not decode ({type(e).__name__}: {e})") from e
+
+
+def _decode(buf, key: str, quant: str, secret: bytes | None) -> ChunkKV:
     table, meta = read_header(buf)
     _check_meta(meta, key, quant)
     exp = _expected(meta)
@@ -299,6 +347,27 @@ def decode(buf: bytes | bytearray | memoryview, key: str, quant: str = "none", s
         )
         tensors[name] = t.view(shape)
     return unpack(meta, tensors, key, quant)
+
+
+def head_of(header: bytes | bytearray, read: Callable[[int, int], bytes], key: str, quant: str) -> RecordHead:
+    """The RecordHead of an entry from its first 8 + header-length bytes and `read(begin, n)`, which returns n
+    bytes at offset `begin` of its data (after the header): only the token ids are read. Raises CorruptEntry."""
+    table, meta = read_header(header)
+    _check_meta(meta, key, quant)
+    T = meta["shape"][1]
+    info = table.get("token_ids")
+    try:
+        begin, end = (int(x) for x in info["data_offsets"])
+        ok = info["dtype"] == "I64" and list(info["shape"]) == [T] and end - begin == 8 * T and begin >= 0
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptEntry("token_ids has a bad header entry") from e
+    if not ok:
+        raise CorruptEntry("token_ids disagrees with the header")
+    raw = read(begin, 8 * T)
+    if len(raw) != 8 * T:
+        raise CorruptEntry("token_ids is truncated")
+    tokens = torch.frombuffer(bytearray(raw), dtype=torch.int64).tolist() if T else []
+    return RecordHead(key, tokens, meta.get("tenant", ""), meta.get("lead", ""), meta["base_pos"])
 
 
 def encode_for_tier(tier: ChunkStore, kv: ChunkKV, report: Callable[[str], None]) -> bytes | None:

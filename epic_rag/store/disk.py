@@ -6,19 +6,28 @@ one valid file. Every read checks the checksum, key, quant mode, dtypes and shap
 bad file is deleted and counted. A hit touches the file's mtime, and a byte budget evicts the least
 recently used files. The budget covers the whole folder and is enforced approximately across processes:
 each writer rescans the folder when its own count passes the budget, and at least every 30 s.
+
+Tenants (the tenant id in each file's header): a write that takes its tenant over `quota` evicts that tenant's
+own least recently used files (the writer rescans the folder after each write while a quota is set); over the
+budget, the least recently used files of the tenant holding the most bytes go first, so a tenant filling the
+folder evicts itself once it is the largest, never a smaller tenant's. A file's tenant is read from its header
+once (a few KiB) and remembered by inode.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import threading
 import time
 import uuid
 from pathlib import Path
 
 from . import codec
-from .base import ChunkKV, ChunkStore, check_key, check_quant
+from .base import ChunkKV, ChunkStore, RecordHead, TenantQuota, check_key, check_quant, evict_order
+from .metrics import QUOTA_EVICTIONS, QUOTA_REFUSALS
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +36,57 @@ _TMP = ".tmp-"
 _RESCAN_S = 30.0
 _STALE_TMP_S = 3600.0
 _LOW_WATER = 0.9  # eviction frees down to this fraction of the budget
+# An entry is opened without following a link and without waiting (a FIFO planted under a key's name would
+# block a plain open, inside the engine step), then read only if it is a regular file.
+_HEAD_BYTES = 64 << 10
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+class _NotAFile(OSError):
+    """A name in the folder that is not a regular file (a symbolic link, a FIFO, a device): never read."""
+
+    def __init__(self, what: str, st: os.stat_result) -> None:
+        super().__init__(what)
+        self.st = st
+
+
+def _open_entry(path: Path) -> tuple[int, os.stat_result]:
+    """(fd, fstat) of a regular file at `path`; FileNotFoundError, _NotAFile, or another OSError."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+            raise _NotAFile("a symbolic link", os.lstat(path)) from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _NotAFile(f"not a regular file (mode {stat.filemode(st.st_mode)})", st)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _read_header(fd: int) -> bytes:
+    """An entry's first 8 + header-length bytes (one read of 64 KiB for any genuine header); CorruptEntry when
+    the file is shorter."""
+    first = os.pread(fd, _HEAD_BYTES, 0)
+    end = 8 + codec.header_length(first)
+    head = first[:end] if end <= len(first) else os.pread(fd, end, 0)
+    if len(head) != end:
+        raise codec.CorruptEntry("entry is shorter than its header")
+    return head
+
+
+def _read_into(fd: int, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if not n:
+            break
+        got += n
+    return got
 
 
 class DiskStore(ChunkStore):
@@ -39,9 +99,12 @@ class DiskStore(ChunkStore):
         quant: str = "none",
         fsync: bool = False,
         secret: str | bytes | None = None,
+        quota: TenantQuota | None = None,
     ) -> None:
         super().__init__()
         check_quant(quant)
+        self.quota = quota or TenantQuota()
+        self._tenants: dict[str, tuple[int, int, str]] = {}  # path -> (inode, size, tenant id) read from its header
         self.secret = codec.deployment_secret(secret)
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError("disk store budget must be positive")
@@ -85,18 +148,13 @@ class DiskStore(ChunkStore):
         path = self._path(key)
         t0 = time.perf_counter()
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                buf = bytearray(st.st_size)
-                view, got = memoryview(buf), 0
-                while got < len(buf):
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
+            fd, st = _open_entry(path)
         except FileNotFoundError:
             with self._lock:
                 self.stats.misses += 1
+            return None
+        except _NotAFile as e:
+            self._drop(path, e.st, e)
             return None
         except OSError as e:
             with self._lock:
@@ -105,20 +163,49 @@ class DiskStore(ChunkStore):
             self._log_error("read", f"disk tier {self.root}: cannot read {path.name}: {e}")
             return None
         try:
+            try:
+                buf = bytearray(st.st_size)
+            except MemoryError:  # no room now: a miss, the entry kept (it may well be sound)
+                raise OSError(f"no memory for its {st.st_size} bytes") from None
+            got = _read_into(fd, memoryview(buf))
             if got != len(buf):
                 raise codec.CorruptEntry(f"file shrank while reading ({got} of {len(buf)} bytes)")
-            kv = codec.decode(buf, key, self.quant, self.secret)
+            kv = codec.decode(buf, key, self.quant, self.secret)  # raises only CorruptEntry
+            if touch:
+                try:
+                    os.utime(fd)  # LRU order across processes (atime is unreliable under relatime/noatime)
+                except OSError:
+                    pass
+        except OSError as e:
+            with self._lock:
+                self.stats.misses += 1
+                self.stats.errors += 1
+            self._log_error("read", f"disk tier {self.root}: cannot read {path.name}: {e}")
+            return None
         except codec.CorruptEntry as e:
             self._drop(path, st, e)
             return None
-        if touch:
-            try:
-                os.utime(path)  # LRU order across processes (atime is unreliable under relatime/noatime)
-            except OSError:
-                pass
+        finally:
+            os.close(fd)
         with self._lock:
             self.stats.record_load(t0)
         return kv
+
+    def peek(self, key: str) -> RecordHead | None:
+        """The entry's header and token ids, read without its tensors (a few KiB of a file of megabytes); None
+        when missing or unreadable (a full `get` then drops it)."""
+        try:
+            fd, st = _open_entry(self._path(check_key(key)))
+        except OSError:
+            return None
+        try:
+            head = _read_header(fd)
+            hlen = len(head) - 8
+            return codec.head_of(head, lambda begin, n: os.pread(fd, n, 8 + hlen + begin), key, self.quant)
+        except (OSError, codec.CorruptEntry):
+            return None
+        finally:
+            os.close(fd)
 
     def _drop(self, path: Path, st: os.stat_result, why: Exception) -> None:
         log.warning("disk tier %s: corrupt entry %s dropped (%s); it will be recompiled", self.root, path.name, why)
@@ -126,7 +213,7 @@ class DiskStore(ChunkStore):
             self.stats.corrupt += 1
             self.stats.misses += 1
         try:
-            now = os.stat(path)
+            now = os.lstat(path)  # the name itself (a link is dropped, never what it points to)
             if (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns):  # not replaced meanwhile
                 os.unlink(path)
         except OSError:
@@ -141,6 +228,12 @@ class DiskStore(ChunkStore):
             return
         if self.max_bytes is not None and len(data) > self.max_bytes:
             return  # larger than the whole budget
+        if not self.quota.fits(len(data)):
+            with self._lock:
+                self.stats.quota_refusals += 1
+            QUOTA_REFUSALS.labels(self.name).inc()
+            self._log_error("quota", f"disk tier {self.root}: chunk {kv.key} is over its tenant's whole quota here")
+            return
         path = self._path(kv.key)
         tmp = self.root / f"{_TMP}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}"
         try:
@@ -156,6 +249,9 @@ class DiskStore(ChunkStore):
                 except OSError:
                     old = 0
                 os.replace(tmp, path)
+                st = os.lstat(path)
+                with self._lock:
+                    self._tenants[str(path)] = (st.st_ino, st.st_size, kv.tenant)
             except BaseException:
                 try:
                     os.unlink(tmp)
@@ -177,11 +273,12 @@ class DiskStore(ChunkStore):
             self._approx_bytes += len(data) - old
             self.stats.bytes = self._approx_bytes
             self.stats.entries += old == 0
-            due = self.max_bytes is not None and (
-                self._approx_bytes > self.max_bytes or time.monotonic() - self._last_scan > _RESCAN_S
+            due = self.quota.active or (
+                self.max_bytes is not None
+                and (self._approx_bytes > self.max_bytes or time.monotonic() - self._last_scan > _RESCAN_S)
             )
         if due:
-            self._evict()
+            self._evict(kv.tenant, str(path))
 
     # ------------------------------------------------------------------ budget
     def _stats(self):
@@ -193,9 +290,11 @@ class DiskStore(ChunkStore):
         with it:
             for e in it:
                 try:
-                    yield e, e.stat()
+                    st = e.stat(follow_symlinks=False)  # a link is no entry (and never read: _open_entry)
                 except OSError:
                     continue
+                if stat.S_ISREG(st.st_mode):
+                    yield e, st
 
     def _scan(self) -> list[tuple[float, int, str]]:
         """(mtime, size, path) of every entry in the folder (all quant namespaces); removes stale temp files."""
@@ -219,36 +318,97 @@ class DiskStore(ChunkStore):
             self.stats.entries = len(entries)
             self._last_scan = time.monotonic()
 
-    def _evict(self) -> None:
+    def _tenant_of(self, path: str, st: os.stat_result) -> str | None:
+        """The tenant id in a file's header (remembered by inode); None when it cannot be read."""
+        with self._lock:
+            known = self._tenants.get(path)
+        if known is not None and known[:2] == (st.st_ino, st.st_size):
+            return known[2]
+        try:
+            fd, _ = _open_entry(Path(path))
+        except OSError:
+            return None
+        try:
+            tenant = codec.read_header(_read_header(fd))[1].get("tenant", "")
+        except (OSError, codec.CorruptEntry):
+            return None
+        finally:
+            os.close(fd)
+        if not isinstance(tenant, str):
+            return None
+        with self._lock:
+            self._tenants[path] = (st.st_ino, st.st_size, tenant)
+        return tenant
+
+    def _tenant_at(self, path: str) -> str | None:
+        try:
+            return self._tenant_of(path, os.lstat(path))
+        except OSError:
+            return None
+
+    def _evict(self, tenant: str | None = None, keep: str = "") -> None:
+        """Bring `tenant` (the writer's) under its quota, then the folder under its budget (module docstring)."""
         if not self._evict_lock.acquire(blocking=False):
             return  # another thread is already evicting
         try:
-            entries = sorted(self._scan())
+            entries = sorted(self._scan())  # least recently used first
             total = sum(s for _, s, _ in entries)
-            n = len(entries)
-            evicted = 0
-            if self.max_bytes is not None and total > self.max_bytes:
-                target = self.max_bytes * _LOW_WATER
-                for _, size, p in entries:
-                    if total <= target:
+            victims: list[str] = []
+            quota_victims = 0
+            if tenant is not None and self.quota.active:
+                own = [(p, size) for _, size, p in entries if self._tenant_at(p) == tenant]
+                nbytes, n = sum(size for _, size in own), len(own)
+                for p, size in own:
+                    if not self.quota.over(nbytes, n):
                         break
-                    try:
-                        os.unlink(p)
-                        evicted += 1
-                    except FileNotFoundError:
-                        pass  # another process evicted it
-                    except OSError as e:
-                        self._log_error("evict", f"disk tier {self.root}: cannot evict {p}: {e}")
-                        continue
-                    total -= size
-                    n -= 1
+                    if p != keep:
+                        victims.append(p)
+                        nbytes, n = nbytes - size, n - 1
+                quota_victims = len(victims)
+            if self.max_bytes is not None and total > self.max_bytes:
+                gone = set(victims)
+                held: dict[str, list[tuple[str, int]]] = {}
+                for _, size, p in entries:
+                    if p not in gone:
+                        t = self._tenant_at(p)
+                        held.setdefault("?" if t is None else t, []).append((p, size))
+                target = self.max_bytes * _LOW_WATER
+                victims += evict_order(held, target, keep)
+            sizes = {p: size for _, size, p in entries}
+            evicted = 0
+            for i, p in enumerate(victims):
+                try:
+                    os.unlink(p)
+                    evicted += 1
+                except FileNotFoundError:
+                    pass  # another process evicted it
+                except OSError as e:
+                    self._log_error("evict", f"disk tier {self.root}: cannot evict {p}: {e}")
+                    continue
+                total -= sizes[p]
+                if i < quota_victims:
+                    QUOTA_EVICTIONS.labels(self.name).inc()
+                    with self._lock:
+                        self.stats.quota_evictions += 1
             with self._lock:
                 self.stats.evictions += evicted
                 self._approx_bytes = self.stats.bytes = total
-                self.stats.entries = n
+                self.stats.entries = len(entries) - evicted
                 self._last_scan = time.monotonic()
+                for p in victims:
+                    self._tenants.pop(p, None)
         finally:
             self._evict_lock.release()
+
+    def tenant_usage(self) -> dict[str, tuple[int, int]]:
+        """tenant id -> (bytes, files) in the folder (all quant namespaces; "?" for files whose header cannot
+        be read)."""
+        out: dict[str, tuple[int, int]] = {}
+        for _, size, p in self._scan():
+            t = self._tenant_at(p)
+            b, n = out.get("?" if t is None else t, (0, 0))
+            out["?" if t is None else t] = (b + size, n + 1)
+        return out
 
     # ------------------------------------------------------------------ listing
     def usage(self) -> dict[str, int]:
@@ -258,11 +418,14 @@ class DiskStore(ChunkStore):
         return list(self.usage())
 
     def contains(self, key: str) -> bool:
-        return self._path(check_key(key)).exists()
+        try:
+            return stat.S_ISREG(os.lstat(self._path(check_key(key))).st_mode)
+        except OSError:
+            return False
 
     def delete(self, key: str) -> bool:
         try:
-            size = os.stat(self._path(check_key(key))).st_size
+            size = os.lstat(self._path(check_key(key))).st_size
             os.unlink(self._path(key))
         except OSError:
             return False

@@ -12,7 +12,8 @@ import torch
 
 from ..streams import Streams, streams_for
 from . import codec
-from .base import ChunkKV, ChunkStore, check_key, check_quant
+from .base import ChunkKV, ChunkStore, RecordHead, TenantQuota, check_key, check_quant, evict_order
+from .metrics import QUOTA_EVICTIONS, QUOTA_REFUSALS
 
 log = logging.getLogger(__name__)
 
@@ -23,21 +24,31 @@ class MemoryStore(ChunkStore):
     there once when they enter the tier, so every link copies them to the GPU asynchronously and at full
     speed (a pageable copy is ~3x slower and stalls the host). Page-locked entries count the blocks torch's
     host allocator reserves for them (host_block_bytes: a power of two each), so the budget bounds the
-    memory pinned, not half of it."""
+    memory pinned, not half of it.
+
+    Tenants (ChunkKV.tenant): a write that takes its tenant over `quota` evicts that tenant's own least recently
+    used entries; one over the whole budget evicts the least recently used entry of the tenant holding the
+    most, so a tenant filling the tier evicts itself once it is the largest, never a smaller tenant's."""
 
     name = "memory"
 
-    def __init__(self, max_bytes: int = 4 << 30, quant: str = "none", pin: bool | None = None) -> None:
+    def __init__(
+        self, max_bytes: int = 4 << 30, quant: str = "none", pin: bool | None = None, quota: TenantQuota | None = None
+    ) -> None:
         super().__init__()
         if max_bytes <= 0:
             raise ValueError("memory store budget must be positive")
         check_quant(quant)
         self.max_bytes = max_bytes
         self.quant = quant
+        self.quota = quota or TenantQuota()
         self.pin = torch.cuda.is_available() if pin is None else bool(pin)
         # key -> ChunkKV (exact) or (header, packed tensors) (int8); sizes in _sizes
         self._items: OrderedDict[str, ChunkKV | tuple[dict, dict[str, torch.Tensor]]] = OrderedDict()
         self._sizes: dict[str, int] = {}
+        self._tenant: dict[str, str] = {}  # key -> its record's tenant id
+        self._held: dict[str, OrderedDict[str, None]] = {}  # tenant -> its keys, least recently used first
+        self._held_bytes: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"MemoryStore(max_bytes={self.max_bytes}, quant={self.quant!r}, pin={self.pin})"
@@ -63,13 +74,32 @@ class MemoryStore(ChunkStore):
                 self.stats.misses += 1
                 return None
             self._items.move_to_end(key)
+            self._held[self._tenant[key]].move_to_end(key)
         if isinstance(item, tuple):
-            kv = codec.unpack(item[0], item[1], key, self.quant)
+            try:
+                kv = codec.unpack(item[0], item[1], key, self.quant)
+            except Exception as e:  # (packed here, so never expected): dropped, a miss, as in every tier
+                log.error("memory tier: entry %s does not unpack (%s); dropped", key, e)
+                with self._lock:
+                    if self._items.get(key) is item:
+                        self._forget(key)
+                    self.stats.corrupt += 1
+                    self.stats.misses += 1
+                return None
         else:
             kv = item
         with self._lock:
             self.stats.record_load(t0)
         return kv
+
+    def peek(self, key: str) -> RecordHead | None:
+        check_key(key)
+        with self._lock:
+            item = self._items.get(key)
+        if isinstance(item, tuple):
+            meta, tensors = item
+            return RecordHead(key, tensors["token_ids"].tolist(), meta["tenant"], meta["lead"], meta["base_pos"])
+        return None if item is None else RecordHead.of(item)
 
     def put(self, kv: ChunkKV) -> None:
         self._put(kv)
@@ -96,28 +126,69 @@ class MemoryStore(ChunkStore):
             item, size = (meta, tensors), codec.packed_nbytes(tensors)
         if size > self.max_bytes:
             return None  # larger than the whole budget: lower tiers keep it
+        if not self.quota.fits(size):
+            self._refused(kv.key, size)
+            return None
+        tenant = kv.tenant
         with self._lock:
-            old = self._items.pop(kv.key, None)
-            if old is not None:
-                self.stats.bytes -= self._sizes.pop(kv.key)
+            if kv.key in self._items:
+                self._forget(kv.key)
             self._items[kv.key] = item
             self._sizes[kv.key] = size
+            self._tenant[kv.key] = tenant
+            self._held.setdefault(tenant, OrderedDict())[kv.key] = None
+            self._held_bytes[tenant] = self._held_bytes.get(tenant, 0) + size
             self.stats.bytes += size
-            self.stats.puts += 1
-            while self.stats.bytes > self.max_bytes:
-                evicted, _ = self._items.popitem(last=False)
-                self.stats.bytes -= self._sizes.pop(evicted)
-                self.stats.evictions += 1
             self.stats.entries = len(self._items)
+            self.stats.puts += 1
+            own = self._held[tenant]
+            while self.quota.over(self._held_bytes[tenant], len(own)):  # its own oldest (never this one: it fits)
+                self._forget(next(iter(own)))
+                self.stats.evictions += 1
+                self.stats.quota_evictions += 1
+                QUOTA_EVICTIONS.labels(self.name).inc()
+            if self.stats.bytes > self.max_bytes:
+                held = {t: [(k, self._sizes[k]) for k in keys] for t, keys in self._held.items()}
+                for k in evict_order(held, self.max_bytes, keep=kv.key):
+                    self._forget(k)
+                    self.stats.evictions += 1
             self.stats.put_seconds += time.perf_counter() - t0
         return item if isinstance(item, ChunkKV) else None
 
+    def _forget(self, key: str) -> None:
+        """Remove a held entry (under the lock)."""
+        del self._items[key]
+        size = self._sizes.pop(key)
+        self.stats.bytes -= size
+        self.stats.entries = len(self._items)
+        tenant = self._tenant.pop(key)
+        del self._held[tenant][key]
+        self._held_bytes[tenant] -= size
+        if not self._held[tenant]:
+            del self._held[tenant], self._held_bytes[tenant]
+
+    def _refused(self, key: str, size: int) -> None:
+        with self._lock:
+            self.stats.quota_refusals += 1
+        QUOTA_REFUSALS.labels(self.name).inc()
+        self._log_error(
+            "quota",
+            "%s tier: chunk %s (%d bytes) is over its tenant's whole quota here; not stored",
+            self.name,
+            key,
+            size,
+        )
+
+    def tenant_usage(self) -> dict[str, tuple[int, int]]:
+        """tenant id -> (bytes, entries) held."""
+        with self._lock:
+            return {t: (self._held_bytes[t], len(keys)) for t, keys in self._held.items()}
+
     def delete(self, key: str) -> bool:
         with self._lock:
-            if self._items.pop(key, None) is None:
+            if key not in self._items:
                 return False
-            self.stats.bytes -= self._sizes.pop(key)
-            self.stats.entries = len(self._items)
+            self._forget(key)
             return True
 
     def keys(self) -> list[str]:
@@ -137,6 +208,9 @@ class MemoryStore(ChunkStore):
             n = len(self._items)
             self._items.clear()
             self._sizes.clear()
+            self._tenant.clear()
+            self._held.clear()
+            self._held_bytes.clear()
             self.stats.bytes = self.stats.entries = 0
             return n
 

@@ -19,6 +19,12 @@ Compile lock. `fleet_lock` gives `ChunkStore.compile_lock` its shared lock: PREF
 SET NX PX lock_ttl (default 120 s; lock_ttl=0 turns it off) to a token of the holder, released by a
 compare-and-delete script, so one process of the fleet compiles a chunk while the others wait for its entry.
 
+Tenant quotas (`quota`, TenantQuota). Where one is set, each tenant's entries are listed in
+PREFIX@tenant<tag>.<tenant id>.lru (a sorted set: key -> last write or hit) and .bytes (a hash: key -> size),
+kept by every replica; a write that takes its tenant over the quota deletes that tenant's least recently used
+entries (members whose entry expired or was evicted by Redis are dropped from the lists first). Without a quota
+nothing is listed and no command is added.
+
 Every command runs under socket timeouts with no client-side retries, so a dead or unreachable server
 costs at most one timeout, after which the tier is marked down for `retry_s` seconds: gets miss and puts
 are skipped without touching the network, and the first call after the back-off probes again (logging
@@ -37,7 +43,8 @@ import uuid
 from urllib.parse import urlsplit, urlunsplit
 
 from . import codec
-from .base import ChunkKV, ChunkStore, FleetLock, check_key, check_quant
+from .base import ChunkKV, ChunkStore, FleetLock, RecordHead, TenantQuota, check_key, check_quant
+from .metrics import QUOTA_EVICTIONS, QUOTA_REFUSALS
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +68,7 @@ _MANIFEST_MAX = 4096  # read back atomically with an overwrite (a manifest is fa
 PART_PENDING_S = 600.0  # parts not (yet) named by a manifest expire after this: a writer that died
 PART_GRACE_S = 60.0  # parts of a replaced or deleted entry stay this long for readers already reading them
 _BATCH_BYTES = 64 << 20  # parts sent or fetched per round trip
+_PEEK_BYTES = 64 << 10  # read first by `peek`: a record's header and the token ids of a chunk of up to ~7k tokens
 _ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -93,10 +101,9 @@ def make_manifest(key: str, quant: str, wid: str, parts: int, part_bytes: int, s
 
 def parse_manifest(data: bytes, key: str, quant: str) -> dict:
     """The manifest in `data` (which starts with MANIFEST), checked for `key` and `quant`; raises CorruptEntry."""
-    try:
-        m = json.loads(data[len(MANIFEST) :])
-    except ValueError as e:
-        raise codec.CorruptEntry(f"unreadable parts manifest ({e})") from e
+    if len(data) > _MANIFEST_MAX:
+        raise codec.CorruptEntry(f"parts manifest is {len(data)} bytes, over {_MANIFEST_MAX}")
+    m = codec.loads_bounded(data[len(MANIFEST) :], "parts manifest", max_depth=1)  # a flat object
     if not isinstance(m, dict):
         raise codec.CorruptEntry("parts manifest is not a JSON object")
     if m.get("key") != key or m.get("quant") != quant:
@@ -112,6 +119,10 @@ def parse_manifest(data: bytes, key: str, quant: str) -> dict:
     if not isinstance(m.get("id"), str) or not _ID.fullmatch(m["id"]) or not isinstance(m.get("sha256"), str):
         raise codec.CorruptEntry("parts manifest has a bad id or checksum")
     return m
+
+
+class _PastFirstPart(Exception):
+    """peek: the token ids lie beyond an entry's first part."""
 
 
 class _RedisLock(FleetLock):
@@ -156,8 +167,10 @@ class RedisStore(ChunkStore):
         secret: str | bytes | None = None,
         max_part_bytes: int = DEFAULT_PART_BYTES,
         lock_ttl: float = DEFAULT_LOCK_TTL,
+        quota: TenantQuota | None = None,
     ) -> None:
         super().__init__()
+        self.quota = quota or TenantQuota()
         self.secret = codec.deployment_secret(secret)
         import redis
         from redis.backoff import NoBackoff
@@ -397,7 +410,7 @@ class RedisStore(ChunkStore):
                 if codec.read_header(entry)[1].get("sha256") != m["sha256"]:
                     raise codec.CorruptEntry("its parts do not hold the entry its manifest names")
             kv = codec.decode(entry, key, self.quant, self.secret)
-        except codec.CorruptEntry as e:
+        except Exception as e:  # any of it (CorruptEntry, or what unforeseen bytes trip): dropped, a miss
             log.warning(
                 "redis tier %s: corrupt entry %s dropped (%s); it will be recompiled", safe_url(self.url), rkey, e
             )
@@ -406,9 +419,50 @@ class RedisStore(ChunkStore):
                 self.stats.misses += 1
             self._drop(key, rkey, data)
             return None
+        if self.quota.active:
+            lru = self._ledger(kv.tenant)[0]
+            self._call(lambda c: c.zadd(lru, {key: time.time()}, xx=True), write=True)
         with self._lock:
             self.stats.record_load(t0)
         return kv
+
+    def peek(self, key: str) -> RecordHead | None:
+        """The entry's header and token ids by GETRANGE (of its first part where it has parts), not its KV."""
+        rkey = self._rkey(key)
+        try:
+            name = rkey
+            first = self._call(lambda c: c.getrange(rkey, 0, _PEEK_BYTES - 1))
+            if not isinstance(first, bytes) or not first:
+                return None
+            if first.startswith(MANIFEST):
+                m = parse_manifest(first, key, self.quant)
+                name = part_key(rkey, m["id"], 0)
+                first = self._call(lambda c: c.getrange(name, 0, _PEEK_BYTES - 1))
+                if not isinstance(first, bytes):
+                    return None
+            hlen = codec.header_length(first)
+            if 8 + hlen > len(first):
+                head = self._call(lambda c: c.getrange(name, 0, 8 + hlen - 1))
+                if not isinstance(head, bytes) or len(head) != 8 + hlen:
+                    return None
+            else:
+                head = first[: 8 + hlen]
+
+            def read(begin: int, n: int) -> bytes:
+                at = 8 + hlen + begin
+                if at + n <= len(first):
+                    return first[at : at + n]
+                if name != rkey and at + n > m["part_bytes"]:
+                    raise _PastFirstPart  # (tiny parts only: the token ids are stored right after the header)
+                got = self._call(lambda c: c.getrange(name, at, at + n - 1))
+                return got if isinstance(got, bytes) else b""
+
+            return codec.head_of(head, read, key, self.quant)
+        except _PastFirstPart:
+            kv = self.get(key)
+            return None if kv is None else RecordHead.of(kv)
+        except codec.CorruptEntry:
+            return None  # `get` drops it
 
     def put(self, kv: ChunkKV) -> None:
         rkey = self._rkey(kv.key)
@@ -418,11 +472,94 @@ class RedisStore(ChunkStore):
             return  # skipped while down: do not even encode
         t0 = time.perf_counter()
         data = codec.encode_for_tier(self, kv, lambda m: log.error("redis tier: %s", m))
-        if data is None or not self._write(kv.key, rkey, data):
+        if data is None:
+            return
+        if not self.quota.fits(len(data)):
+            with self._lock:
+                self.stats.quota_refusals += 1
+            QUOTA_REFUSALS.labels(self.name).inc()
+            self._log_error("quota", "redis tier: chunk %s is over its tenant's whole quota here; not stored", kv.key)
+            return
+        if not self._write(kv.key, rkey, data):
             return
         with self._lock:
             self.stats.puts += 1
             self.stats.put_seconds += time.perf_counter() - t0
+        if self.quota.active:
+            self._enforce_quota(kv.tenant, kv.key, len(data))
+
+    # ------------------------------------------------------------------ tenant quotas
+    def _ledger(self, tenant: str) -> tuple[str, str]:
+        """(LRU sorted set, sizes hash) of a tenant's entries in this namespace (module docstring)."""
+        base = f"{self.prefix}@tenant{self._tag}.{tenant or 'none'}"
+        return base + ".lru", base + ".bytes"
+
+    def _enforce_quota(self, tenant: str, key: str, size: int) -> None:
+        """List `key` (just written) under its tenant, then delete the tenant's oldest entries while over quota."""
+        lru, sizes = self._ledger(tenant)
+
+        def listed(c):
+            pipe = c.pipeline(transaction=False)
+            pipe.zadd(lru, {key: time.time()})
+            pipe.hset(sizes, key, size)
+            pipe.zrange(lru, 0, -1)  # least recently used first
+            pipe.hgetall(sizes)
+            return pipe.execute()
+
+        res = self._call(listed, write=True)
+        if res is _SKIP:
+            return
+        own = [(k.decode("utf-8", "replace"), int(res[3].get(k, 0))) for k in res[2]]
+        if not self.quota.over(sum(n for _, n in own), len(own)):
+            return
+
+        # members whose entry is gone (expired, evicted by Redis, dropped) leave the lists first: not evictions
+        def exists(c):
+            pipe = c.pipeline(transaction=False)
+            for k, _ in own:
+                pipe.exists(f"{self.prefix}{k}{self._tag}")
+            return pipe.execute()
+
+        alive = self._call(exists)
+        if alive is _SKIP:
+            return
+        stale = [k for (k, _), a in zip(own, alive) if not a and k != key]
+        own = [(k, n) for (k, n), a in zip(own, alive) if a or k == key]
+        nbytes, n = sum(b for _, b in own), len(own)
+        victims = []
+        for k, b in own:
+            if not self.quota.over(nbytes, n):
+                break
+            if k != key:
+                victims.append(k)
+                nbytes, n = nbytes - b, n - 1
+        evicted = 0
+        for k in victims:
+            try:
+                evicted += self.delete(k)
+            except ValueError:  # a member that is no chunk key (planted): just unlisted
+                pass
+        gone = stale + victims
+        if gone:
+            self._call(lambda c: (c.zrem(lru, *gone), c.hdel(sizes, *gone)), write=True)
+        if evicted:
+            QUOTA_EVICTIONS.labels(self.name).inc(evicted)
+            with self._lock:
+                self.stats.evictions += evicted
+                self.stats.quota_evictions += evicted
+
+    def tenant_usage(self) -> dict[str, tuple[int, int]]:
+        """tenant id -> (bytes, entries) as listed (only while a quota is set; "" is the default tenant)."""
+        head = f"{self.prefix}@tenant{self._tag}."
+        out = {}
+        for name in self._scan_raw():
+            text = name.decode("utf-8", "replace")
+            if text.startswith(head) and text.endswith(".bytes"):
+                t = text[len(head) : -len(".bytes")]
+                sizes = self._call(lambda c: c.hvals(name))
+                if sizes is not _SKIP:
+                    out["" if t == "none" else t] = (sum(int(x) for x in sizes), len(sizes))
+        return out
 
     def delete(self, key: str) -> bool:
         rkey = self._rkey(key)
@@ -481,10 +618,11 @@ class RedisStore(ChunkStore):
     def clear(self) -> int:
         """Delete this tier's entries and their parts; returns how many entries."""
         raw = self._scan_raw()
+        ledgers = [k for k in raw if k.startswith(f"{self.prefix}@tenant{self._tag}.".encode())]
         entries = [k for k in raw if self._key_of(k) is not None]
         parts = [k for k in raw if b"@part." in k and self._key_of(k.rsplit(b"@part.", 1)[0]) is not None]
         n = 0
-        for names, counted in ((entries, True), (parts, False)):
+        for names, counted in ((entries, True), (parts, False), (ledgers, False)):
             for i in range(0, len(names), 500):
                 batch = names[i : i + 500]
                 r = self._call(lambda c: c.unlink(*batch))

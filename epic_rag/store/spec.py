@@ -9,16 +9,17 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlsplit
 
-from .base import QUANTS, ChunkStore
+from .base import QUANTS, ChunkStore, TenantQuota
 
 # '+' starts a new tier only where a tier scheme follows, so paths may contain '+' elsewhere.
 _SPLIT = re.compile(r"\+(?=(?:memory(?:$|[?:+])|gpu(?:$|[?+])|disk:|redis://|rediss://|unix://))")
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?", re.IGNORECASE)
+_QUOTA = {"tenant_max_bytes", "tenant_max_entries"}  # per tenant, in the tier that names them (TenantQuota)
 _ARGS = {
-    "memory": {"max_bytes", "quant", "pin"},
+    "memory": {"max_bytes", "quant", "pin"} | _QUOTA,
     "gpu": {"max_bytes", "device"},
-    "disk": {"max_bytes", "quant", "fsync", "secret"},
-    "redis": {"ttl", "prefix", "timeout", "retry_s", "quant", "db", "secret", "max_part_bytes", "lock_ttl"},
+    "disk": {"max_bytes", "quant", "fsync", "secret"} | _QUOTA,
+    "redis": {"ttl", "prefix", "timeout", "retry_s", "quant", "db", "secret", "max_part_bytes", "lock_ttl"} | _QUOTA,
 }
 
 
@@ -146,9 +147,20 @@ def _check_redis_url(url: str, spec: str, args: dict[str, str]) -> None:
         raise ValueError(f"store spec {spec!r}: Redis db must be a number (redis://host:port/<db>), got {db!r}")
 
 
+def _quota(a: dict[str, str], kind: str) -> TenantQuota:
+    n = a.get("tenant_max_entries")
+    if n is not None and not n.isdigit():
+        raise ValueError(f"{kind} tenant_max_entries must be a whole number >= 1, got {n!r}")
+    mb = a.get("tenant_max_bytes")
+    return TenantQuota(
+        parse_size(mb, f"{kind} tenant_max_bytes") if mb is not None else None, int(n) if n is not None else None
+    )
+
+
 def build_tier(t: TierSpec) -> ChunkStore:
     a = t.args
     quant = a.get("quant", "none")
+    quota = _quota(a, t.kind)
     if t.kind == "gpu":
         from .memory import DeviceStore
 
@@ -160,7 +172,7 @@ def build_tier(t: TierSpec) -> ChunkStore:
         pin = a.get("pin", "auto")
         if pin not in ("auto", "0", "1"):
             raise ValueError(f"memory pin must be auto, 0 or 1, got {pin!r}")
-        return MemoryStore(quant=quant, pin=None if pin == "auto" else pin == "1", **kw)
+        return MemoryStore(quant=quant, pin=None if pin == "auto" else pin == "1", quota=quota, **kw)
     if t.kind == "disk":
         from .disk import DiskStore
 
@@ -168,10 +180,12 @@ def build_tier(t: TierSpec) -> ChunkStore:
         if fsync not in ("0", "1", "true", "false"):
             raise ValueError(f"disk fsync must be 0 or 1, got {fsync!r}")
         mb = parse_size(a["max_bytes"], "disk max_bytes") if "max_bytes" in a else None
-        return DiskStore(t.target, max_bytes=mb, quant=quant, fsync=fsync in ("1", "true"), secret=a.get("secret"))
+        return DiskStore(
+            t.target, max_bytes=mb, quant=quant, fsync=fsync in ("1", "true"), secret=a.get("secret"), quota=quota
+        )
     from .redis_tier import RedisStore
 
-    kw: dict = {"quant": quant, "secret": a.get("secret")}
+    kw: dict = {"quant": quant, "secret": a.get("secret"), "quota": quota}
     if "ttl" in a:
         kw["ttl"] = _number(a["ttl"], "redis ttl", 0.001)
     if "timeout" in a:

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from .base import ChunkKV, ChunkStore, FleetLock, check_key
+from .base import ChunkKV, ChunkStore, FleetLock, RecordHead, check_key
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,14 @@ class TieredStore(ChunkStore):
             return kv
         with self._lock:
             self.stats.misses += 1
+        return None
+
+    def peek(self, key: str) -> RecordHead | None:
+        check_key(key)
+        for tier in self.tiers:
+            head = self._safe(tier, "peek", lambda: tier.peek(key))
+            if head is not None:
+                return head
         return None
 
     def put(self, kv: ChunkKV) -> None:

@@ -19,6 +19,10 @@ from ...policy import Policy, parse_policy
 from ..jobs import MAX_SPANS
 from .tenancy import Tenancy
 
+# A client compile's record holds at most this many tokens by default: a RAG chunk is far shorter, and one
+# request can no longer put a whole context window of KV (~1 GB at 8k tokens of an 8B model) in the shared store.
+DEFAULT_MAX_COMPILE_TOKENS = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
@@ -40,6 +44,10 @@ class ConnectorConfig:
         max_spans: spans one link may name (each record is read once however many spans name it).
         tenant: the namespace of requests that send no `cache_salt` (tenancy.py).
         allow_client_compiles: False: compile requests are refused; the server links records compiled elsewhere.
+        max_compile_tokens: the most tokens one compile may store (its record: the sink and the chunk, or a bare
+            compile's prompt); a longer one fails with a clear error before anything is captured (counted in
+            epic_rag_compile_refusals_total). None: no bound (an EpicEngine's own compiles). What a tenant may
+            keep in the store is bounded by the store spec's tenant_max_bytes / tenant_max_entries.
         allow_client_find: whether a request may switch the finder on or pick its policy (`{"find": false}` is
             always accepted).
     """
@@ -53,6 +61,7 @@ class ConnectorConfig:
     max_spans: int = MAX_SPANS
     tenant: str = DEFAULT_TENANT
     allow_client_compiles: bool = True
+    max_compile_tokens: int | None = DEFAULT_MAX_COMPILE_TOKENS
     allow_client_find: bool = False
 
     @classmethod
@@ -69,6 +78,9 @@ class ConnectorConfig:
             raise ValueError(f"async_links must be true or false, got {cfg.async_links!r}")
         if not isinstance(cfg.link_step_share, (int, float)) or not cfg.link_step_share >= 0:
             raise ValueError(f"link_step_share must be a number >= 0, got {cfg.link_step_share!r}")
+        mct = cfg.max_compile_tokens
+        if mct is not None and (not isinstance(mct, int) or isinstance(mct, bool) or mct < 1):
+            raise ValueError(f"max_compile_tokens must be an integer >= 1 or null (no bound), got {mct!r}")
         if not isinstance(cfg.max_spans, int) or cfg.max_spans < 1:
             raise ValueError(f"max_spans must be an integer >= 1, got {cfg.max_spans!r}")
         if cfg.workspace_tokens is not None and (not isinstance(cfg.workspace_tokens, int) or cfg.workspace_tokens < 1):

@@ -17,7 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from ...keys import rank_key
 from ...policy import SINK_LEN
 from ...redact import redact
-from ...store import ChunkKV
+from ...store import ChunkKV, RecordHead
+from ...store.metrics import COMPILE_REFUSALS
 from .. import vllm_api
 from ..jobs import Capture, LinkJob, LinkSpan
 from ..link import rope
@@ -45,6 +46,7 @@ class WorkerSide:
     """The worker-side hooks of EpicConnector (mixed into it; its state set by `_init_worker`)."""
 
     def _init_worker(self, config: ConnectorConfig) -> None:
+        self.max_compile_tokens = config.max_compile_tokens
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.linker: Linker | None = None
         self.stores: ChunkStores | None = None
@@ -174,11 +176,19 @@ class WorkerSide:
         out = []
         for load in loads:
             try:
-                kvs, read = [], {}
+                kvs, heads, read = [], {}, {}
                 for s in load.link.spans:
-                    if (s.key, s.exact) not in read:  # spans of one record: read once, sliced per span
-                        read[s.key, s.exact] = self.stores.get(self._rank_key(s.key), glue=s.exact)
-                    kv = read[s.key, s.exact]
+                    # Tokens and tenant first, from the record's header (peek): one that cannot serve the span
+                    # is never read whole or decoded. Spans of one record: read once, sliced per span.
+                    rec = (s.key, s.exact)
+                    if rec not in heads:
+                        heads[rec] = self.stores.peek(self._rank_key(s.key), glue=s.exact)
+                    if not self._matches(heads[rec], s, load):
+                        kvs.append(None)
+                        continue
+                    if rec not in read:
+                        read[rec] = self.stores.get(self._rank_key(s.key), glue=s.exact)
+                    kv = read[rec]
                     kvs.append(kv if self._matches(kv, s, load) else None)
                 out.append((kvs, None))
             except Exception as e:  # a store that raises: the request fails, the step goes on
@@ -211,7 +221,7 @@ class WorkerSide:
         return job, [] if err else missing
 
     @staticmethod
-    def _matches(kv: ChunkKV | None, s, load: LoadSpec) -> bool:
+    def _matches(kv: ChunkKV | RecordHead | None, s, load: LoadSpec) -> bool:
         if kv is None or kv.num_tokens < s.offset + s.n:
             return False
         if kv.tenant != load.tenant:  # another tenant's record: missing, as one never compiled
@@ -376,6 +386,10 @@ class WorkerSide:
             return
         for spec in meta.captures:
             try:
+                refused = self._over_compile_bound(spec)
+                if refused is not None:  # before its buffer is allocated: nothing captured, nothing stored
+                    self._step_results[spec.req_id] = {"error": refused}
+                    continue
                 cap = self._capture_buffer(spec)
                 # A first step that starts past 0 had its head from vLLM's prefix cache: exact KV of the same
                 # tokens (a compile is never scoped as a link is), captured from those pages too.
@@ -395,6 +409,18 @@ class WorkerSide:
             except Exception as e:
                 self._captures.pop(spec.req_id, None)
                 self._step_results[spec.req_id] = {"error": _internal_error(f"capturing {spec.req_id} failed", e)}
+
+    def _over_compile_bound(self, spec: CaptureSpec) -> str | None:
+        """Why a compile is refused (max_compile_tokens), or None. Counted once, at its last step."""
+        n = spec.num_prompt - max(spec.compile.lead, 1) + 1  # its record: the sink and the chunk (as _capture_buffer)
+        if self.max_compile_tokens is None or n <= self.max_compile_tokens:
+            return None
+        if spec.end == spec.num_prompt:
+            COMPILE_REFUSALS.labels("tokens").inc()
+        return (
+            f"epic compile: its record would hold {n} tokens, over this server's max_compile_tokens "
+            f"({self.max_compile_tokens}); nothing stored"
+        )
 
     def _store(self, spec: CaptureSpec, cap: Capture) -> None:
         """Store a complete compile's record under the key derived here (a client key that differs is refused:
