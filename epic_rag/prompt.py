@@ -145,6 +145,34 @@ def compile_lead(tokenizer, kind: str = "template") -> list[int]:
     return ids
 
 
+def compile_lead_behind(tokenizer, neighbours: Sequence[Sequence[int]], kind: str = "template") -> list[int]:
+    """The tokens a chunk is compiled behind when compiled beside its neighbours (neighbour-aware compile):
+    "template": the default RagRequest prompt with each neighbour's tokens a document of its own, up to the
+    document after them (the chunk's place); "sink": the sink, then the neighbours' tokens. Neighbours are
+    given in prompt order (the nearest last, right before the chunk)."""
+    if not neighbours:
+        return compile_lead(tokenizer, kind)
+    ids: list[int] = []
+    if kind == "template":
+        placeholders = [ChunkRef(f"n{i}", len(n)) for i, n in enumerate(neighbours)] + [ChunkRef("chunk", 1)]
+        try:
+            segments = render_request(tokenizer, RagRequest(question="?", chunks=placeholders))
+        except Exception:  # no chat template: as "sink"
+            segments = []
+        seen = 0
+        for seg in segments:
+            if isinstance(seg, str):
+                ids += encode_glue(tokenizer, seg)
+                continue
+            if seen == len(neighbours):
+                break
+            ids += list(neighbours[seen])
+            seen += 1
+    if not ids:
+        ids = compile_lead(tokenizer, "sink") + [t for n in neighbours for t in n]
+    return ids
+
+
 def check_chunk_text(text: object) -> str:
     if not isinstance(text, str):
         raise ValueError(f"chunk must be a string or ChunkRef, got {type(text).__name__}")

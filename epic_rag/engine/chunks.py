@@ -9,6 +9,12 @@ processes sharing a store (replicas on one Redis) by the store's compile lock (`
 one compiles, the others wait for its entry.
 The glue before a prompt's first chunk is compiled bare ("plain": it sits at position 0 in the prompt too)
 into the glue store (stores.py). The engine never loads chunk KV itself: the worker reads it when it links.
+
+Neighbour-aware compile (`refine`, FusionRAG's offline stage): a chunk compiled again behind its nearest
+neighbours (each a document of the template before it) gets a record of its own, keyed by that lead (so by the
+neighbour set: never its plain record), and links of that chunk use it from then on. Its KV has seen records
+like it: a record compiled alone looks like the first of its kind, which misleads lookups among look-alikes.
+Like every chunk span its link is approximate, scoped, never an exact prefix-cache block.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from ..keys import DEFAULT_TENANT, chunk_key, compile_variant, rank_key, tenant_id
+from ..keys import DEFAULT_TENANT, chunk_key, compile_variant, lead_id, rank_key, tenant_id
 from ..policy import SINK_LEN, Policy
 from ..prompt import check_chunk_text, encode_text
 from ..store import ChunkKV, ChunkStore
@@ -34,6 +40,7 @@ log = logging.getLogger(__name__)
 MIN_EXACT_PREFIX = 8  # shorter leading glue is simply recomputed
 TOKEN_INDEX_SIZE = 100_000  # chunk key -> token ids remembered, so `full` never loads KV to read tokens
 STORED_INDEX_SIZE = 100_000  # keys the worker reported stored (its memory tier is not visible from here)
+REFINED_INDEX_SIZE = 20_000  # chunks whose neighbour-aware record links use (with their leads, ~5 KB each)
 
 
 class ChunkResolver:
@@ -49,6 +56,7 @@ class ChunkResolver:
         max_model_len: int,
         lead: list[int],
         tenant: str = DEFAULT_TENANT,
+        lead_behind: Callable[[list[list[int]]], list[int]] | None = None,
     ) -> None:
         self.stores, self.runtime, self.tokenizer = stores, runtime, tokenizer
         # the namespace this engine's records live in (tenancy.py): its compiles and links carry it as their
@@ -58,6 +66,12 @@ class ChunkResolver:
         self.lead = lead  # every chunk is compiled behind these tokens (prompt.compile_lead)
         self.sink_token = self.lead[0]
         self.variant = compile_variant(self.lead)
+        # the lead a chunk is compiled behind beside given neighbours (prompt.compile_lead_behind)
+        self.lead_behind = lead_behind or (lambda neighbours: self.lead + [t for n in neighbours for t in n])
+        # compile forms: "plain" (bare glue), self.variant (behind the engine's lead) and the refined ones
+        # ("nbr-" + the lead's id) -> the lead; chunk plain key -> its refined form, least recently used first
+        self._leads: dict[str, list[int]] = {"plain": [], self.variant: self.lead}
+        self._refined: OrderedDict[str, str] = OrderedDict()
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
         self.compiled = 0  # chunks (and glue) compiled by this engine; those another process compiled are loaded
@@ -84,11 +98,60 @@ class ChunkResolver:
         return self.stores.glue
 
     def key(self, token_ids: Sequence[int], variant: str) -> str:
-        """The key of a chunk compiled behind this engine's lead (`variant` == self.variant) or of bare glue
-        ("plain"): the key the worker derives for the same compile (keys.py)."""
-        if variant not in ("plain", self.variant):
+        """The key of a chunk compiled behind this engine's lead (`variant` == self.variant), of bare glue
+        ("plain") or of a chunk in a refined form (`refine`): the key the worker derives for the same compile
+        (keys.py)."""
+        return chunk_key(self.fingerprint, token_ids, self._lead_of(variant), self.tenant)
+
+    def _lead_of(self, variant: str) -> list[int]:
+        with self._lock:
+            lead = self._leads.get(variant)
+        if lead is None:
             raise ValueError(f"this engine compiles chunks as {self.variant!r} or 'plain', not {variant!r}")
-        return chunk_key(self.fingerprint, token_ids, [] if variant == "plain" else self.lead, self.tenant)
+        return lead
+
+    def form_of(self, token_ids: Sequence[int]) -> str:
+        """The form a chunk is linked in: its refined one where `refine` made one, else self.variant."""
+        if not self._refined:
+            return self.variant
+        plain = self.key(token_ids, self.variant)
+        with self._lock:
+            form = self._refined.get(plain)
+            if form is None:
+                return self.variant
+            self._refined.move_to_end(plain)
+            return form
+
+    def refine(self, chunks: list[list[int]], neighbours: list[list[list[int]]], batch_size: int = 8) -> list[str]:
+        """Compile each chunk behind its neighbours (token lists in prompt order, the nearest last) and link it
+        in that form from now on; returns the refined records' keys. A chunk refined again takes its new form."""
+        if len(chunks) != len(neighbours):
+            raise ValueError(f"refine: {len(chunks)} chunks but {len(neighbours)} neighbour lists")
+        forms = []
+        for tokens, near in zip(chunks, neighbours):
+            lead = self.lead_behind([list(n) for n in near])
+            if len(lead) + len(tokens) + 1 >= self.max_model_len:
+                raise ValueError(
+                    f"refine: a chunk behind its neighbours ({len(lead) + len(tokens)} tokens) does "
+                    f"not fit the context window ({self.max_model_len})"
+                )
+            form = f"nbr-{lead_id(lead)}"
+            with self._lock:
+                self._leads[form] = lead
+            forms.append(form)
+        keys, wanted = [], [(list(t), f) for t, f in zip(chunks, forms)]
+        for i in range(0, len(wanted), batch_size):
+            keys += self.resolve(wanted[i : i + batch_size])[0]
+        with self._lock:
+            for tokens, form in zip(chunks, forms):
+                plain = chunk_key(self.fingerprint, tokens, self.lead, self.tenant)
+                old = self._refined.pop(plain, None)
+                if old is not None and old != form:
+                    self._leads.pop(old, None)
+                self._refined[plain] = form
+            while len(self._refined) > REFINED_INDEX_SIZE:
+                self._leads.pop(self._refined.popitem(last=False)[1], None)
+        return keys
 
     def chunk_tokens(self, text: str) -> list[int]:
         ids = encode_text(self.tokenizer, check_chunk_text(text))
@@ -151,7 +214,7 @@ class ChunkResolver:
     def link_spans(self, token_ids: list[int], chunks: list[PlacedChunk], policy: Policy) -> tuple[list[SpanRef], int]:
         """The spans a request links under `policy`, compiling what is missing; and how many chunks were
         compiled here (misses)."""
-        keys, misses = self.resolve([(c.token_ids, self.variant) for c in chunks])
+        keys, misses = self.resolve([(c.token_ids, self.form_of(c.token_ids)) for c in chunks])
         # A record holds [sink] + chunk: the span starts at the sink where the prompt keeps it.
         spans = [
             SpanRef(key, SINK_LEN - c.sink, c.start - c.sink, c.sink + len(c.token_ids)) for key, c in zip(keys, chunks)
@@ -272,7 +335,7 @@ class ChunkResolver:
         submitted: list[str] = []  # vLLM request ids, aborted if the batch fails part-way
         try:
             for key, (fut, tokens, variant) in todo.items():
-                lead = self.lead if variant != "plain" else []
+                lead = self._lead_of(variant)
                 job = CompileRequest(key, len(lead), glue=variant == "plain")
                 ev = threading.Event()
                 req_id = self.runtime.submit_tokens(

@@ -15,7 +15,7 @@ from ..keys import kv_fingerprint, record_key
 from ..matching import ChunkTextIndex
 from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
 from ..policy import SINK_LEN, parse_policy
-from ..prompt import assemble, compile_lead, encode_glue, render_messages, to_segments
+from ..prompt import assemble, compile_lead, compile_lead_behind, encode_glue, render_messages, to_segments
 from ..sampling import check_sampling_options
 from ..store import ChunkKV, ChunkStore, open_shared_tiers, open_store
 from ..store.checked import KeyCheckedStore
@@ -75,7 +75,16 @@ class EpicEngine:
             self.shutdown()
             raise RuntimeError("the engine's and the worker's model/tokenizer fingerprints differ")
         lead = compile_lead(self.tokenizer, config.compile_lead)
-        self.chunks = ChunkResolver(stores, self.runtime, self.tokenizer, fp, self.kv_info, self.max_model_len, lead)
+        self.chunks = ChunkResolver(
+            stores,
+            self.runtime,
+            self.tokenizer,
+            fp,
+            self.kv_info,
+            self.max_model_len,
+            lead,
+            lead_behind=lambda near: compile_lead_behind(self.tokenizer, near, config.compile_lead),
+        )
         self.store = store  # read through the key check (see the setter)
         stores.glue = KeyCheckedStore(stores.glue, self._entry_key)
         self.runtime.start()
@@ -114,6 +123,41 @@ class EpicEngine:
         for r in refs:
             self.text_index.add(r)
         return refs
+
+    def refine(self, chunks: Sequence[str], neighbours: Sequence[Sequence[str]], batch_size: int = 8) -> list[ChunkRef]:
+        """Neighbour-aware compile: compile each chunk text again behind its neighbours' texts (in prompt order,
+        the nearest last; each a document of the template before it) and link that chunk in this form from
+        now on (chunks.py). Its KV has seen records like it, which a chunk compiled alone never has (lookups
+        among look-alike records). The record is keyed by its neighbour set, never the chunk's plain record.
+        Returns refs to the refined records, in input order."""
+        if isinstance(chunks, (str, bytes)) or len(chunks) != len(neighbours):
+            raise ValueError("refine takes a list of chunk texts and one list of neighbour texts per chunk")
+        toks = [self.chunks.chunk_tokens(t) for t in chunks]
+        near = [[self.chunks.chunk_tokens(t) for t in ns] for ns in neighbours]
+        self.compile(list(chunks))  # the plain records stay what links fall back to
+        keys = self.chunks.refine(toks, near, batch_size)
+        return [ChunkRef(k, len(t), text) for k, t, text in zip(keys, toks, chunks)]
+
+    def refine_nearest(self, chunks: Sequence[str], k: int = 2, embeddings=None, batch_size: int = 8) -> list[ChunkRef]:
+        """`refine` with each chunk's `k` nearest neighbours among `chunks`, by cosine similarity of
+        `embeddings` (one vector per chunk: the retriever's own) or of the packaged MiniLM's."""
+        import numpy as np
+
+        texts = list(chunks)
+        if k < 1 or len(texts) < 2:
+            raise ValueError("refine_nearest needs k >= 1 and at least two chunks")
+        if embeddings is None:
+            from ..embeddings import sentence_encoder
+
+            embeddings = sentence_encoder().encode(texts, normalize_embeddings=True, show_progress_bar=False)
+        emb = np.asarray(embeddings, dtype=np.float32)  # [N, E]
+        if emb.shape[0] != len(texts):
+            raise ValueError(f"refine_nearest: {emb.shape[0]} embeddings for {len(texts)} chunks")
+        emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+        sims = emb @ emb.T  # [N, N]
+        np.fill_diagonal(sims, -np.inf)
+        near = [np.argsort(-row)[:k][::-1] for row in sims]  # the nearest last, right before the chunk
+        return self.refine(texts, [[texts[j] for j in idx] for idx in near], batch_size)
 
     # ------------------------------------------------------------------ prompts
     def render_messages(self, messages: Sequence[dict]) -> list[Segment]:

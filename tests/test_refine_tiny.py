@@ -1,0 +1,74 @@
+"""Neighbour-aware compile (EpicEngine.refine) on the tiny two-layer Llama, fp32: a chunk refined behind the
+chunk that precedes it in a prompt gets a record of its own, keyed by its neighbours, and links of that chunk
+use it. Linked with nothing recomputed (legolink-0) in that very order, the prompt's KV is then exactly a plain
+prefill's, so the answer's logprobs equal full's, where the chunk's plain record (compiled alone) is measurably
+off them (the test can fail)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from epic_rag import RagRequest
+
+NEAR = (
+    "def ledger_total(rows):\n    total = 0\n    for account, amount in rows:\n        total += amount\n"
+    "    return total\n"
+)
+CHUNK = (
+    "def ledger_average(rows):\n    total, n = 0, 0\n    for account, amount in rows:\n        total += amount\n"
+    "        n += 1\n    return total / max(n, 1)\n"
+)
+OTHER = "The archive room's passcode is 7314 and the door opens after nine."
+SAME, OFF = 2e-3, 2e-2
+
+
+def _first(g) -> dict[int, float]:
+    lp = g.logprobs[0]
+    return {a["token_id"]: a["logprob"] for a in lp["top_logprobs"]} | {lp["token_id"]: lp["logprob"]}
+
+
+def _gap(a, b) -> float:
+    fa, fb = _first(a), _first(b)
+    return max(abs(fa[t] - fb[t]) for t in fa) if set(fa) == set(fb) else float("inf")
+
+
+def _run(engine, policy: str, salt: str):
+    req = RagRequest(question="Which function divides by the count?", chunks=[NEAR, CHUNK])
+    return engine.generate(req, max_tokens=2, policy=policy, logprobs=5, cache_salt=salt)
+
+
+@pytest.fixture(scope="module")
+def plain_first(tiny_engine):
+    """The link before any refine: the chunk's plain record (compiled alone)."""
+    return _run(tiny_engine, "legolink-0", "refine-before")
+
+
+def test_a_chunk_refined_behind_its_neighbour_links_exactly_where_the_neighbour_precedes_it(tiny_engine, plain_first):
+    full = _run(tiny_engine, "full", "refine-full")
+    assert _gap(plain_first, full) > OFF, "the plain link is exact here: the test proves nothing"
+    plain_key = tiny_engine.chunk_key(tiny_engine.chunks.chunk_tokens(CHUNK))
+    (ref,) = tiny_engine.refine([CHUNK], [[NEAR]])
+    assert ref.key != plain_key and ref.key.startswith("lead")  # keyed by its lead: never the plain record
+    linked = _run(tiny_engine, "legolink-0", "refine-after")
+    assert linked.chunk_keys[1] == ref.key and linked.chunk_keys[0] == plain_first.chunk_keys[0]
+    assert _gap(linked, full) < SAME
+    assert tiny_engine.store.get(plain_key) is not None  # the plain record is kept (what links fall back to)
+
+
+def test_refine_nearest_picks_the_neighbours_by_the_embeddings_given(tiny_engine):
+    # by these vectors NEAR and CHUNK are each other's nearest, OTHER's nearest is CHUNK
+    emb = np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]])
+    refs = tiny_engine.refine_nearest([NEAR, CHUNK, OTHER], k=1, embeddings=emb)
+    # a record's key names its lead: the same chunk behind the same neighbour is the same record
+    expected = [tiny_engine.refine([c], [[n]])[0].key for c, n in ((NEAR, CHUNK), (CHUNK, NEAR), (OTHER, CHUNK))]
+    assert [r.key for r in refs] == expected and len(set(expected)) == 3
+
+
+def test_refine_refuses_mismatched_neighbour_lists_and_changes_nothing(tiny_engine):
+    before = tiny_engine.chunks.form_of(tiny_engine.chunks.chunk_tokens(OTHER))
+    with pytest.raises(ValueError, match="one list of neighbour texts per chunk"):
+        tiny_engine.refine([OTHER], [])
+    with pytest.raises(ValueError, match="at least two chunks"):
+        tiny_engine.refine_nearest([OTHER])
+    assert tiny_engine.chunks.form_of(tiny_engine.chunks.chunk_tokens(OTHER)) == before
