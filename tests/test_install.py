@@ -1,6 +1,7 @@
 """docs/install.md, run: its pip lines alone, in a fresh virtualenv made in a temporary folder from a copy of the
 checkout (no `make`, nothing of this process's virtualenv on PATH), give an environment that imports every
-public module and answers a question on SmolLM2 with linked chunks."""
+public module and answers a question on SmolLM2 with linked chunks. The README's install block is the page's
+lines after a clone."""
 
 from __future__ import annotations
 
@@ -15,12 +16,20 @@ import pytest
 from _engine_process import ROOT
 
 PAGE = ROOT / "docs" / "install.md"
+README = ROOT / "README.md"
 
 
 def page_block(name: str) -> str:
     """The bash block after `<!-- run in the test: name -->` on the install page."""
     blocks = dict(re.findall(r"<!-- run in the test: (\w+) -->\n```bash\n(.*?)```", PAGE.read_text(), re.S))
     return blocks[name]
+
+
+def test_the_readme_installs_with_the_install_pages_lines_after_a_clone():
+    block = re.search(r"## Install\n.*?```bash\n(.*?)```", README.read_text(), re.S)[1]
+    first, _, rest = block.partition("\n")
+    assert first.startswith("git clone ") and first.endswith("&& cd epic_rag"), first
+    assert rest == page_block("install")
 
 
 def _checkout_copy(dest: Path) -> Path:
