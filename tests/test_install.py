@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -49,10 +48,10 @@ def _checkout_copy(dest: Path) -> Path:
 
 
 def _clean_env() -> dict[str, str]:
-    """This environment without the running virtualenv (PATH, VIRTUAL_ENV, PYTHONPATH)."""
+    """This environment without any virtualenv (its bin folder on PATH, VIRTUAL_ENV, PYTHONPATH)."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
-    venv = Path(sys.prefix)
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if not p.startswith(str(venv)))
+    path = env.get("PATH", "").split(os.pathsep)
+    env["PATH"] = os.pathsep.join(p for p in path if p and not (Path(p).parent / "pyvenv.cfg").exists())
     return env
 
 
