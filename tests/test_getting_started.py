@@ -77,7 +77,7 @@ def test_the_demo_answers_the_pages_question_from_linked_chunks(demo, env):
 
 def test_the_python_snippet_is_the_readmes_example():
     readme = (ROOT / "README.md").read_text()
-    example = re.search(r"## Python\n\n```python\n(.*?)```", readme, re.S)[1]
+    example = re.search(r"## Quick start\n\n(?:<!--.*?-->\n)?```python\n(.*?)```", readme, re.S)[1]
     assert example in page_commands()["python"]
 
 

@@ -123,10 +123,10 @@ def test_prepare_process_bounds_onednn_primitive_cache_and_keeps_a_users_setting
     saved = dict(os.environ)  # prepare_process sets the process environment: put it back afterwards
     try:
         os.environ.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY", None)
-        vllm_api.prepare_process(EngineConfig())
+        vllm_api.prepare_process(EngineConfig(model="smollm2-135m-instruct"))
         assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(vllm_api.ONEDNN_PRIMITIVE_CACHE)
         os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "7"
-        vllm_api.prepare_process(EngineConfig())
+        vllm_api.prepare_process(EngineConfig(model="smollm2-135m-instruct"))
         assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"
     finally:
         os.environ.clear()
@@ -146,7 +146,7 @@ def test_onednn_matmuls_over_many_batch_sizes_hold_bounded_memory_after_prepare_
         import torch
         from epic_rag.config import EngineConfig
         from epic_rag.engine import vllm_api
-        vllm_api.prepare_process(EngineConfig())
+        vllm_api.prepare_process(EngineConfig(model="smollm2-135m-instruct"))
         from vllm import _custom_ops as ops
         if not ops._supports_onednn:
             print("skip")

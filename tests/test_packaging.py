@@ -86,3 +86,17 @@ def test_every_package_folder_is_installed_and_the_demo_installs_as_epic_rag_dem
         timeout=120,
     )
     assert r.returncode == 0 and r.stdout.strip() == "None", r.stdout + r.stderr
+
+
+def test_the_license_file_is_the_apache_2_text_pyproject_declares_and_the_citation_names_epic():
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"] == {"text": "Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n") and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text  # the whole text, not a stub
+    yaml = pytest.importorskip("yaml")
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    paper = cff["preferred-citation"]
+    assert cff["cff-version"] == "1.2.0" and cff["license"] == "Apache-2.0"
+    assert paper["title"].startswith("EPIC: Efficient Position-Independent Caching")
+    assert paper["year"] == 2025 and paper["authors"][0] == {"family-names": "Hu", "given-names": "Junhao"}
+    assert "2410.15332" in paper["url"]

@@ -62,7 +62,9 @@ def register(subparsers) -> None:
         help="comma-separated origins (https://app.example) allowed to send uploads, deletes and chats "
         "besides the page itself (default none: no other website can; '*' allows any)",
     )
-    d.add_argument("--model", default=DEMO_MODEL, help=f"packaged model name or model folder (default {DEMO_MODEL})")
+    d.add_argument(
+        "--model", default=DEMO_MODEL, help=f"packaged name, model folder or Hugging Face id (default {DEMO_MODEL})"
+    )
     d.add_argument("--data-dir", default=None, help="default ~/.cache/epic_rag/demo")
     d.add_argument("--top-k", type=int, default=4)
     d.add_argument("--chunk-tokens", type=int, default=256)

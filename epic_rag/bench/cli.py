@@ -196,7 +196,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--model",
         default=None,
-        help=f"smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, or a local model folder (default {DEFAULT_MODEL}; "
+        help="smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, a model folder or a Hugging Face id "
+        + f"(default {DEFAULT_MODEL}; "
         + ", ".join(f"{part}: {m}" for part, m in PART_MODEL.items())
         + ")",
     )

@@ -536,14 +536,17 @@ def calling_model_runner(depth: int = 2, search: int = 8) -> Any | None:
 
 def worker_fingerprint(vllm_config, kv_dtype: torch.dtype) -> str:
     """The fingerprint chunk keys carry (keys.kv_fingerprint), computed on the worker from what vLLM loaded:
-    the model folder, its tokenizer (read with transformers, as vLLM does) and the KV cache's dtype."""
+    the model folder, its tokenizer (read with transformers, as vLLM does) and the KV cache's dtype. A server
+    started on a Hugging Face id (`vllm serve Qwen/...`) keeps the id: its snapshot folder is found in the hub's
+    cache, where vLLM downloaded it."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
     from ..keys import kv_fingerprint
-    from ..models import model_fingerprint, tokenizer_fingerprint
+    from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
 
     mc = vllm_config.model_config
     tok = AutoTokenizer.from_pretrained(mc.tokenizer or mc.model, trust_remote_code=False)
-    return kv_fingerprint(model_fingerprint(Path(mc.model)), tokenizer_fingerprint(tok), str(kv_dtype))
+    folder = Path(mc.model) if Path(mc.model).is_dir() else resolve_model(mc.model)
+    return kv_fingerprint(model_fingerprint(folder), tokenizer_fingerprint(tok), str(kv_dtype))
