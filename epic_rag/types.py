@@ -46,12 +46,15 @@ class RagRequest:
         system: a system message (None: the model's default).
         template: the user message, with a `{context}` and a `{question}` slot (each once; other braces are
             text). `{context}` becomes the chunks as "Document i:\n<chunk>\n\n". None: prompt.DEFAULT_TEMPLATE.
+        scores: the retriever's score of each chunk (higher: more relevant), for `order="relevance"`; None:
+            the packaged MiniLM scores them against the question when that order is asked for.
     """
 
     question: str
     chunks: list[str | ChunkRef] = field(default_factory=list)
     system: str | None = None
     template: str | None = None
+    scores: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -69,6 +72,9 @@ class Sampling(TypedDict, total=False):
     max_tokens: int  # default 64 (capped to what the context window leaves)
     temperature: float  # default 0.0: greedy
     policy: str | None  # default: the engine's policy
+    # A RagRequest's chunk order: "given" (default: as listed) or "relevance" (ascending score, the most relevant
+    # chunk last, nearest the question; free under linking: keys are rotated to their places anyway).
+    order: str
     stop: list[str] | str | None
     # Passed to vLLM's SamplingParams (checked in epic_rag.sampling; anything else is an error naming it).
     top_p: float
@@ -103,6 +109,7 @@ class PreparedRequest:
     temperature: float
     stop: list[str] | None = None
     options: dict[str, Any] = field(default_factory=dict)  # the further Sampling options, checked
+    chunk_order: list[int] | None = None  # a reordered RagRequest: its chunks' indices in prompt order
 
 
 # One generated token's log-probability: {"token_id", "token", "logprob", "top_logprobs": [{"token_id",
@@ -158,6 +165,8 @@ class Generation:
             earlier request that linked the same chunks the same way (a follow-up turn; never exact blocks'
             stand-ins, see connector/scheduler.py on_new_request).
         logprobs: one TokenLogprob per generated token, when `logprobs` was requested.
+        chunk_order: for a RagRequest run with `order="relevance"`, the indices of its chunks in the order they
+            were placed (the last one nearest the question); None when the order was the given one.
     """
 
     text: str
@@ -174,3 +183,4 @@ class Generation:
     chunk_keys: list[str] = field(default_factory=list)
     prefix_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    chunk_order: list[int] | None = None

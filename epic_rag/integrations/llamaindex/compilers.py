@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
@@ -78,7 +78,9 @@ def _compile_new(engine: Any, texts: Sequence[str], policy: str | None, batch_si
 class EpicNodeCompiler(_SharedEngine, BaseNodePostprocessor):
     """Query-time step: compiles the retrieved nodes' LLM-visible text, so the LLM call links them.
 
-    Nodes pass through unchanged (order and scores kept). Use it last among the node postprocessors (after
+    Nodes pass through unchanged (order and scores kept), or with `order="relevance"` in ascending order of
+    their retriever scores, the most relevant last, nearest the question (LongContextReorder's idea; free under
+    linking, which rotates each chunk's keys to wherever it sits). Use it last among the node postprocessors (after
     rerankers and filters, which may change what reaches the prompt), e.g.
     `index.as_query_engine(node_postprocessors=[EpicNodeCompiler()])`, or in a context chat engine.
     For a corpus compiled at ingest (EpicChunkCompiler) in this process it costs a dictionary lookup per node;
@@ -87,6 +89,9 @@ class EpicNodeCompiler(_SharedEngine, BaseNodePostprocessor):
 
     policy: str | None = Field(default=None, description="Compile for this link policy (default: engine's).")
     batch_size: int = Field(default=32, gt=0, description="Chunks per compile batch.")
+    order: Literal["given", "relevance"] = Field(
+        default="given", description="'relevance': nodes by ascending score, the most relevant nearest the question."
+    )
 
     _engine: Any = PrivateAttr(default=None)
 
@@ -98,6 +103,8 @@ class EpicNodeCompiler(_SharedEngine, BaseNodePostprocessor):
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
         _compile_new(self.engine, [node_llm_text(n.node) for n in nodes], self.policy, self.batch_size)
+        if self.order == "relevance":  # stable: unscored nodes first, ties keep their order
+            nodes = sorted(nodes, key=lambda n: float("-inf") if n.score is None else n.score)
         return nodes
 
     async def _apostprocess_nodes(
