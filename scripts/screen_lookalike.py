@@ -357,6 +357,8 @@ def report(rows: list[dict], guarded: list[str]) -> str:
             "|---|---|---|---|---|",
         ]
         for name, risk in GUARDS.items():
+            if all(by[i][v].get(name) is None for i in ids):  # not measured for this variant (split: query only)
+                continue
             order = sorted(ids, key=lambda i: risk(by[i][v]), reverse=True)
             cells = []
             for share in (0.1, 0.2, 0.3, 0.5):

@@ -19,6 +19,10 @@ class RecordingEngine:
         self.text_index.update(texts)
         return [ChunkRef(f"k{i}", 3, t) for i, t in enumerate(texts)]
 
+    def refine_nearest(self, texts, k=2, embeddings=None, batch_size=8):
+        self.refined = (list(texts), k, embeddings)
+        return [ChunkRef(f"r{i}", 3, t) for i, t in enumerate(texts)]
+
 
 @pytest.fixture()
 def engine():
@@ -61,6 +65,27 @@ def test_node_compiler_relevance_order_puts_the_best_scored_node_last_nearest_th
     out = pp.postprocess_nodes(nodes, query_str="q")
     assert [n.node.text for n in out] == ["unscored", "worst", "middle", "best"]
     assert [n.node.text for n in nodes] == ["best", "unscored", "worst", "middle"]  # the input is left as it was
+
+
+def test_chunk_compiler_refines_each_node_behind_its_nearest_by_the_nodes_own_embeddings(engine):
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.schema import TextNode
+
+    from epic_rag.integrations.llamaindex import EpicChunkCompiler
+
+    nodes = [TextNode(text=t, id_=t, embedding=e) for t, e in (("a", [1.0, 0.0]), ("b", [0.0, 1.0]), ("c", [1, 1]))]
+    step = EpicChunkCompiler(neighbours=5)
+    step._engine = engine
+    assert step(nodes) == nodes
+    assert engine.refined == (["a", "b", "c"], 2, [[1.0, 0.0], [0.0, 1.0], [1, 1]])  # k capped at the others
+    nodes[1].embedding = None  # one node without an embedding: the engine's own embedder for the batch
+    step(nodes)
+    assert engine.refined[2] is None
+    off = EpicChunkCompiler()
+    off._engine = engine
+    del engine.refined
+    off(nodes)
+    assert not hasattr(engine, "refined")  # neighbours=0 (the default): no refine
 
 
 async def test_node_compiler_async_form(engine):
