@@ -36,6 +36,10 @@ MAX_ERRORS = 100  # progress errors kept (the oldest go): a long-running server 
 NAME_MAX_BYTES = 255  # a file name's limit on every common file system, in bytes (not characters)
 
 
+class _Stopped(Exception):
+    """Raised inside the ingestion thread once the library is stopping: it ends without finishing its step."""
+
+
 class QuotaExceeded(ValueError):
     """An upload that would take the uploads past their quota (documents or bytes): nothing is written."""
 
@@ -210,6 +214,8 @@ class Library:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop ingesting and wait up to `timeout` s for the thread (a compile in flight ends when the engine
+        shuts down; an embedding batch in flight first ends)."""
         self._stop.set()
         self._tasks.put(("stop",))
         if self._thread is not None:
@@ -404,7 +410,11 @@ class Library:
                 except queue.Empty:
                     continue
                 self._handle(task)
+            except _Stopped:
+                return
             except Exception as e:  # keep the thread alive: report (no internals: /api/status shows it) and go on
+                if self._stop.is_set():  # the engine shut down under it: stopping, not a failure
+                    return
                 log.exception("ingestion step failed")
                 with self._lock:
                     self.progress.errors.append(f"ingestion step failed ({type(e).__name__}; see the server log)")
@@ -521,6 +531,8 @@ class Library:
         try:
             refs = self.engine.compile([c.text for c in batch])
         except Exception as e:
+            if self._stop.is_set():  # the engine shut down under it: nothing stored half, nothing marked failed
+                raise _Stopped from e
             log.exception("compiling %d chunks failed", len(batch))
             why = f"compile failed ({type(e).__name__}; see the server log)"  # engine text may hold paths
             with self._lock:
@@ -581,6 +593,8 @@ class Library:
             with self._lock:
                 self.progress.embedded += len(texts) - len(todo)
         for s in range(0, len(todo), 32):
+            if progress and self._stop.is_set():  # a large document's embedding must not hold up a stop
+                raise _Stopped
             part = todo[s : s + 32]
             with self._enc_lock:
                 vecs = np.asarray(
