@@ -628,8 +628,9 @@ def _nested(depth: int) -> list:
         ({"epic": {"compile": {"lead": 1}, "link": GOOD_LINK}}, "exactly one"),
         ({"epic": {"find": True}}, "epic find: expected a policy name or false, got bool"),  # the finder is empty
         ({"epic": {"find": "nope"}}, "unknown policy"),
-        ({"epic": {"link": {**GOOD_LINK, "spans": [_nested(5000)]}}}, "a span is [key, offset, start, n, exact]"),
-        ({"epic": {"link": {**GOOD_LINK, "on_missing": _nested(5000)}}}, "on_missing must be"),
+        ({"epic": {"link": {**GOOD_LINK, "spans": [_nested(20)]}}}, "a span is [key, offset, start, n, exact]"),
+        ({"epic": {"link": {**GOOD_LINK, "on_missing": _nested(20)}}}, "on_missing must be"),
+        ({"epic": {"link": {**GOOD_LINK, "spans": [_nested(5000)]}}}, "nested deeper than 32 levels"),
     ],
 )
 def test_unknown_misplaced_or_deeply_nested_epic_fields_are_refused_with_the_valid_ones(params, why):
@@ -642,6 +643,19 @@ def test_unknown_misplaced_or_deeply_nested_epic_fields_are_refused_with_the_val
     _, out = c.request_finished(req, [])
     assert why in out["epic"]["error"] and len(out["epic"]["error"]) <= 500
     assert not (c._parsed or c._results or c._prefix_hits)
+
+
+@pytest.mark.parametrize("params", [{"epic": {"find": False}, "other": _nested(900)}, {"epic": _nested(900)}])
+def test_params_nested_too_deep_are_refused_and_taken_off_the_request_before_vllm_pickles_them(params):
+    # found on `vllm serve`: the connector refused such a link, then vLLM's pickling of the request's sampling
+    # params to its workers raised RecursionError in the engine core's step and killed the server
+    c = _scheduler()
+    req = _req(params)
+    req.sampling_params = SimpleNamespace(extra_args={"kv_transfer_params": params, "other_arg": 1})
+    c.on_new_request(req)
+    assert req.kv_transfer_params is None and req.sampling_params.extra_args == {"other_arg": 1}
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert "nested deeper than 32 levels" in c.request_finished(req, [])[1]["epic"]["error"]
 
 
 def test_a_value_nested_too_deep_for_any_check_is_a_clear_error_not_a_crash(monkeypatch):

@@ -43,6 +43,34 @@ class _ReqState:
 NO_RECORD = "epic-refused"
 
 
+# kv_transfer_params nested deeper than this are refused and dropped from the request: vLLM pickles a request's
+# sampling params (they hold kv_transfer_params) to its workers, and a value nested ~900 deep makes that raise
+# RecursionError in the engine core's step, which kills it (found on `vllm serve`; a link nests 5 deep).
+MAX_PARAM_DEPTH = 32
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether lists and dicts in `value` nest deeper than `limit` (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children)
+    return False
+
+
+def _drop_params(request) -> None:
+    """Take kv_transfer_params (the connector's own) off a request, where vLLM would carry them on."""
+    request.kv_transfer_params = None
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
+    if isinstance(extra, dict):
+        extra.pop("kv_transfer_params", None)
+
+
 def _hook_error(what: str, e: BaseException) -> str:
     """What a client is told of a failure in a scheduler hook: `what` and an id; the details go to the log."""
     eid = uuid.uuid4().hex[:12]
@@ -131,7 +159,11 @@ class SchedulerSide:
     def _parse_new(self, request) -> tuple[LinkRequest | None, CompileRequest | None]:
         prompt = request.prompt_token_ids or []
         try:
-            p = epic_params(getattr(request, "kv_transfer_params", None))
+            params = getattr(request, "kv_transfer_params", None)
+            if _nested_deeper(params, MAX_PARAM_DEPTH):
+                _drop_params(request)
+                raise ValueError(f"epic: kv_transfer_params nested deeper than {MAX_PARAM_DEPTH} levels")
+            p = epic_params(params)
             if p is None or "find" in p:
                 return self._found(prompt, self._find_policy(p), self.tenancy.of(request)), None
             if "link" in p:
