@@ -264,7 +264,8 @@ class Library:
             info = DocInfo(name, "upload", path, len(doc.text))
             with self._lock:  # file and index replaced together: the last upload of a name wins in both
                 self._check_quota(name, len(data))  # again: concurrent uploads passed the first check together
-                replaces = name in self._upload_sizes  # an earlier upload of this name; never a corpus file
+                # over an earlier upload of this name (a folder of uploads holds nothing else); never a corpus file
+                replaces = self.cfg.corpus_dir is None or name in self._upload_sizes
                 # recorded before the file lands: a crash in between leaves a name without a file (dropped on
                 # load), never an upload counted as the user's own file
                 self._save_manifest({**self._upload_sizes, name: len(data)})
