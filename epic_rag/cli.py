@@ -34,12 +34,34 @@ def top_chunks(question: str, chunks: list[TextChunk], k: int) -> list[TextChunk
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
+    from .stopping import StopSignals
+
+    held: list = []
+    # Ctrl-C or SIGTERM while the model loads, compiles or answers: the engine is torn down in order (exit 130 / 0)
+    with StopSignals() as signals:
+        try:
+            _ask(args, held)
+            return 0
+        except KeyboardInterrupt:
+            print("\nstopping", file=sys.stderr)
+            return signals.exit_code
+        finally:
+            for engine in held:
+                engine.shutdown()
+
+
+def _ask(args: argparse.Namespace, held: list) -> None:
+    """Answer; the engine goes into `held` as soon as it is built (the caller shuts it down; a half-built one
+    tears itself down)."""
     from . import Delta, EngineConfig, EpicEngine, RagRequest
 
     t0 = time.perf_counter()
-    engine = EpicEngine(
-        EngineConfig(model=args.model, policy=args.policy, store=args.store, max_model_len=args.max_model_len)
+    held.append(
+        EpicEngine(
+            EngineConfig(model=args.model, policy=args.policy, store=args.store, max_model_len=args.max_model_len)
+        )
     )
+    engine = held[0]
     docs = [d for src in args.docs for d in load_documents(src)]
     chunks = [c for d in docs for c in chunk_document(d, engine.tokenizer, args.chunk_tokens)]
     picked = top_chunks(args.question, chunks, args.top_k)
@@ -69,8 +91,6 @@ def cmd_ask(args: argparse.Namespace) -> int:
             f"recomputed={gen.recomputed_tokens} chunk_hits={gen.chunk_hits} chunk_misses={gen.chunk_misses}"
         )
     print("sources: " + ", ".join(f"{c.doc}#{c.index}" for c in picked))
-    engine.shutdown()
-    return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -592,3 +592,172 @@ def test_a_compile_over_max_compile_tokens_fails_with_a_clear_error_before_anyth
         else:
             assert captured and "max_compile_tokens" not in out["error"]
         assert stores.chunks.keys() == []
+
+
+# ------------------------------------------------------- the request surface (security review 3, finding D)
+GOOD_LINK = {"policy": "legolink-2", "sink": SINK, "spans": [list(s) for s in SPANS]}
+
+
+def _req(params, req_id: str = "r") -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=PROMPT,
+        kv_transfer_params=params,
+        cache_salt=None,
+        block_hashes=[],  # vLLM's prefix-cache hashes, as on_new_request scopes them
+        _block_hasher=None,
+    )
+
+
+def _nested(depth: int) -> list:
+    v: list = []
+    for _ in range(depth):  # built without recursion: only the code under test may recurse
+        v = [v]
+    return v
+
+
+@pytest.mark.parametrize(
+    "params, why",
+    [
+        ({"epic": {"compile": {"leed": 3}}}, "epic compile: unknown field(s) 'leed'; valid: lead, key, glue"),
+        ({"epic": {"link": {**GOOD_LINK, "on_misisng": "fail"}}}, "unknown field(s) 'on_misisng'; valid: policy"),
+        ({"epic": {"lnk": GOOD_LINK}}, "epic: unknown field(s) 'lnk'; valid: link, compile, find"),
+        ({"epic": "link"}, "epic: expected an object with one of link, compile, find, got str"),
+        ({"epic": [GOOD_LINK]}, "expected an object"),
+        ({"epic": {"find": False, "link": GOOD_LINK}}, "expected exactly one of link, compile, find, got link, find"),
+        ({"epic": {"compile": {"lead": 1}, "link": GOOD_LINK}}, "exactly one"),
+        ({"epic": {"find": True}}, "epic find: expected a policy name or false, got bool"),  # the finder is empty
+        ({"epic": {"find": "nope"}}, "unknown policy"),
+        ({"epic": {"link": {**GOOD_LINK, "spans": [_nested(20)]}}}, "a span is [key, offset, start, n, exact]"),
+        ({"epic": {"link": {**GOOD_LINK, "on_missing": _nested(20)}}}, "on_missing must be"),
+        ({"epic": {"link": {**GOOD_LINK, "spans": [_nested(5000)]}}}, "nested deeper than 32 levels"),
+    ],
+)
+def test_unknown_misplaced_or_deeply_nested_epic_fields_are_refused_with_the_valid_ones(params, why):
+    c = _scheduler(allow_client_find=True)
+    req = _req(params)
+    c.on_new_request(req)
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)  # a plain prefill: nothing linked or captured
+    c.update_state_after_alloc(req, None, 0)
+    assert c._active == {}
+    _, out = c.request_finished(req, [])
+    assert why in out["epic"]["error"] and len(out["epic"]["error"]) <= 500
+    assert not (c._parsed or c._results or c._prefix_hits)
+
+
+@pytest.mark.parametrize("params", [{"epic": {"find": False}, "other": _nested(900)}, {"epic": _nested(900)}])
+def test_params_nested_too_deep_are_refused_and_taken_off_the_request_before_vllm_pickles_them(params):
+    # found on `vllm serve`: the connector refused such a link, then vLLM's pickling of the request's sampling
+    # params to its workers raised RecursionError in the engine core's step and killed the server
+    c = _scheduler()
+    req = _req(params)
+    req.sampling_params = SimpleNamespace(extra_args={"kv_transfer_params": params, "other_arg": 1})
+    c.on_new_request(req)
+    assert req.kv_transfer_params is None and req.sampling_params.extra_args == {"other_arg": 1}
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert "nested deeper than 32 levels" in c.request_finished(req, [])[1]["epic"]["error"]
+
+
+def test_a_value_nested_too_deep_for_any_check_is_a_clear_error_not_a_crash(monkeypatch):
+    c = _scheduler()
+
+    def deep(*a, **k):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(LinkRequest, "from_params", deep)
+    req = _req({"epic": {"link": GOOD_LINK}})
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert c.request_finished(req, [])[1] == {"epic": {"error": "epic: the request's parameters are nested too deeply"}}
+
+
+def _boom(*a, **k):
+    raise RuntimeError("simulated fault in a scheduler hook")
+
+
+@pytest.mark.parametrize("where", ["scope_block_hashes", "claim"])
+def test_a_hook_that_raises_before_the_claim_fails_only_its_request_which_runs_as_a_plain_prefill(
+    monkeypatch, caplog, where
+):
+    c = _scheduler()
+    c._kv_cache_config = None
+    if where == "scope_block_hashes":  # on_new_request: vLLM calls it unguarded, outside any step
+        monkeypatch.setattr(conn.vllm_api, "scope_block_hashes", _boom)
+    else:  # get_num_new_matched_tokens
+        monkeypatch.setattr(LinkRequest, "claim", _boom)
+    bad, good = _req({"epic": {"link": GOOD_LINK}}, "bad"), _req({"epic": {"find": False}}, "good")
+    with caplog.at_level(logging.ERROR):
+        for r in (bad, good):
+            c.on_new_request(r)  # never raises into vLLM's scheduler
+            assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+            c.update_state_after_alloc(r, None, 0)
+    assert c._active == {}  # the bad request links nothing: vLLM computes its whole prompt
+    out = c.request_finished(bad, [])[1]["epic"]
+    assert "simulated" not in out["error"] and "RuntimeError: simulated fault" in _logged_detail(caplog, out)
+    assert c.request_finished(good, [])[1] is None
+    assert not (c._parsed or c._results or c._prefix_hits or c._active)
+
+
+@pytest.mark.parametrize("where", ["update_state_after_alloc", "build_connector_meta"])
+def test_a_hook_that_raises_after_the_claim_fails_the_request_through_its_claimed_blocks_only(
+    monkeypatch, caplog, where
+):
+    c = _scheduler()
+    c._kvm = _Blocks()  # blocks [4, 5, 6] of 4 tokens; vLLM's own prefix hit holds the first 4 tokens
+    req = _req({"epic": {"link": GOOD_LINK}})
+    assert c.get_num_new_matched_tokens(req, 4) == (5, False)  # positions [4, 9) claimed
+    with caplog.at_level(logging.ERROR):
+        if where == "update_state_after_alloc":
+            monkeypatch.setattr(Tenancy, "of", _boom)
+            c.update_state_after_alloc(req, None, 5)
+        else:
+            c.update_state_after_alloc(req, None, 5)
+            monkeypatch.setattr(LinkRequest, "cut", _boom)
+        meta = c.build_connector_meta(_step(total_tokens=5))
+    (load,) = meta.loads
+    assert (load.start, load.end, load.link.on_missing) == (4, 9, "fail")
+    # the worker, as it is: the load names no record and asks to fail, so its blocks are reported failed
+    w = _worker(meta, _stores(_record("sink1-a", PROMPT[0:5]), _record("sink1-b", PROMPT[5:9])))
+    w.start_load_kv(None)
+    assert w.linker.linked == [] and w.get_block_ids_with_load_errors() == {5, 6}  # not block 4 (the prefix hit)
+    c.update_connector_output(SimpleNamespace(kv_connector_worker_meta=w.build_connector_worker_meta()))
+    out = c.request_finished(req, [])[1]["epic"]
+    assert "simulated" not in out["error"] and "RuntimeError: simulated fault" in _logged_detail(caplog, out)
+    assert not (c._parsed or c._results or c._prefix_hits or c._active)
+
+
+def test_a_compile_whose_capture_cannot_be_prepared_stops_with_its_own_error_and_others_go_on(monkeypatch, caplog):
+    c = _scheduler()
+    c._kvm = _Blocks()
+    bad, good = _req({"epic": {"compile": {"lead": 1}}}, "bad"), _req({"epic": {"compile": {"lead": 1}}}, "good")
+    for r in (bad, good):
+        c.update_state_after_alloc(r, None, 0)
+    real = conn.vllm_api.block_ids_of
+
+    def block_ids_of(kvm, req_id):
+        return _boom() if req_id == "bad" else real(kvm, req_id)
+
+    monkeypatch.setattr(conn.vllm_api, "block_ids_of", block_ids_of)
+    step = _step(total_tokens=8, new=[SimpleNamespace(req_id="bad", num_computed_tokens=0)])
+    step.scheduled_new_reqs.append(SimpleNamespace(req_id="good", num_computed_tokens=0))
+    step.num_scheduled_tokens = {"bad": 4, "good": 4}
+    with caplog.at_level(logging.ERROR):
+        meta = c.build_connector_meta(step)
+    assert [s.req_id for s in meta.captures] == ["good"]
+    monkeypatch.setattr(conn.vllm_api, "block_ids_of", real)  # the next step: "bad" is never captured again
+    step.scheduled_new_reqs = [SimpleNamespace(req_id=r, num_computed_tokens=4) for r in ("bad", "good")]
+    meta = c.build_connector_meta(step)
+    assert [(s.req_id, s.prompt) for s in meta.captures] == [("good", None)]
+    c.update_connector_output(SimpleNamespace(kv_connector_worker_meta=cm.EpicWorkerMeta({"bad": {"stored": "k"}})))
+    out = c.request_finished(bad, [])[1]["epic"]  # its own error, never a later outcome of the worker
+    assert set(out) == {"error"} and "RuntimeError: simulated fault" in _logged_detail(caplog, out)
+
+
+def test_request_finished_that_raises_still_forgets_the_request_and_reports_an_error(caplog):
+    c = _scheduler()
+    req = _req({"epic": {"link": GOOD_LINK}})
+    c.get_num_new_matched_tokens(req, 0)
+    c._prefix_hits["r"] = "not a pair"  # any fault inside the hook
+    with caplog.at_level(logging.ERROR):
+        done, out = c.request_finished(req, [])
+    assert not done and out["epic"]["error"].startswith("epic: reporting the request's outcome failed (error ")
+    assert not (c._parsed or c._results or c._prefix_hits or c._active)

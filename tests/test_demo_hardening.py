@@ -615,3 +615,73 @@ def test_secrets_in_a_store_spec_never_reach_a_log_or_an_error(caplog):
     for text in (caplog.text, str(e.value), said):
         assert "KVSECRET" not in text and "hunter2" not in text, text
     assert "secret=***" in caplog.text and "bogus" in caplog.text  # the reason is still there
+
+
+# ------------------------------------------------- 7. a corpus folder the uploads share (security review 3, E)
+def _docs(client) -> dict[str, str]:
+    return {d["name"]: d["source"] for d in client.get("/api/documents").json()["documents"]}
+
+
+def test_in_corpus_mode_the_upload_quota_survives_a_restart(tmp_path):
+    with serve(tmp_path, max_documents=2) as (server, client, app):
+        for name in ("one.txt", "two.txt"):
+            assert client.post("/api/documents", files={"file": (name, b"words " * 10)}).status_code == 202
+    # before: after a restart the two uploads counted as the user's corpus files and the quota began again
+    with serve(tmp_path, max_documents=2) as (server, client, app):
+        assert _docs(client)["one.txt"] == "upload" and _docs(client)["bridge.txt"] == "corpus"
+        r = client.post("/api/documents", files={"file": ("three.txt", b"words " * 10)})
+        assert r.status_code == 507 and "2 documents" in r.json()["error"]["message"], r.text
+        assert not (app.state.demo.cfg.uploads_dir / "three.txt").exists()
+        assert client.delete("/api/documents/one.txt").status_code == 200  # deleting still frees the quota
+    with serve(tmp_path, max_documents=2) as (server, client, app):
+        assert "one.txt" not in _docs(client)
+        assert client.post("/api/documents", files={"file": ("three.txt", b"words " * 10)}).status_code == 202
+        manifest = [p for p in app.state.demo.cfg.data_dir.iterdir() if p.name.startswith("uploads-")]
+        assert len(manifest) == 1 and manifest[0].stat().st_mode & 0o077 == 0  # one, owner-only, no temp left
+        assert json.loads(manifest[0].read_text())["uploads"].keys() == {"two.txt", "three.txt"}
+
+
+def test_an_upload_never_overwrites_a_corpus_file_of_the_same_name(tmp_path):
+    with serve(tmp_path) as (server, client, app):
+        corpus = app.state.demo.cfg.uploads_dir
+        r = client.post("/api/documents", files={"file": ("bridge.txt", b"The bridge is closed forever.")})
+        assert r.status_code == 409 and "never replace" in r.json()["error"]["message"], r.text
+        assert (corpus / "bridge.txt").read_text() == FACTS["bridge.txt"]  # the user's file, as it was
+        assert _docs(client)["bridge.txt"] == "corpus"
+        assert not [p for p in corpus.iterdir() if p.name.startswith(".")]  # no temp file left behind
+        # an earlier upload of a name is still replaced by the next one
+        assert client.post("/api/documents", files={"file": ("new.txt", b"first words")}).status_code == 202
+        assert client.post("/api/documents", files={"file": ("new.txt", b"second words")}).status_code == 202
+        assert (corpus / "new.txt").read_bytes() == b"second words"
+    with serve(tmp_path) as (server, client, app):  # after a restart too: the manifest says it is an upload
+        assert client.post("/api/documents", files={"file": ("new.txt", b"third words")}).status_code == 202
+        r = client.post("/api/documents", files={"file": ("archive.md", b"# gone")})
+        assert r.status_code == 409, r.text
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "invoice\u202etxt.exe.md",  # RIGHT-TO-LEFT OVERRIDE: shows as "invoicedm.exe.txt"
+        "a\u2066b\u2069.txt",  # isolates
+        "\u200fnotes.txt",  # RIGHT-TO-LEFT MARK
+        "a\u061cb.txt",  # ARABIC LETTER MARK
+        "a\u0085b.txt",  # C1 NEXT LINE
+        "a\u009bb.txt",  # C1 CONTROL SEQUENCE INTRODUCER (terminal escapes)
+        "a\u2028b.txt",  # LINE SEPARATOR
+    ],
+)
+def test_upload_names_with_c1_control_or_bidi_characters_are_refused_and_nothing_is_written(tmp_path, name):
+    with serve(tmp_path) as (server, client, app):
+        folder = app.state.demo.cfg.uploads_dir
+        before = sorted(p.name for p in folder.iterdir())
+        r = client.post("/api/documents", files={"file": (name, b"some words")})
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+        assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_an_upload_name_with_a_zero_width_non_joiner_is_an_ordinary_persian_name_and_kept(tmp_path):
+    with serve(tmp_path) as (server, client, app):
+        name = "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645.txt"  # "I want", with its ZWNJ
+        r = client.post("/api/documents", files={"file": (name, b"x y")})
+        assert r.status_code == 202, r.text

@@ -194,6 +194,38 @@ def test_tenant_b_cannot_stall_the_scheduler_while_a_streams(world):
     _a_answers_exactly(w)
 
 
+def test_malformed_epic_params_are_refused_by_name_and_never_reach_the_store_or_the_engine_core(world):
+    """Review D: unknown fields ("leed" was a bare compile into the shared store), a non-object "epic", a find
+    together with a link (the find won), and a span nested far deeper than any check: each request gets its
+    own clear error naming the valid fields, nothing is stored, and the server keeps serving A exactly (the
+    deep one is taken off the request before vLLM pickles it to its workers)."""
+    from openai import BadRequestError
+
+    w = world
+    prompt = [w["sink"]] + w["ids"][0] + [5]
+    link = {"policy": "legolink-0", "sink": w["sink"], "spans": w["spans"][:1]}
+    deep: list = []
+    for _ in range(900):
+        deep = [deep]
+    refused = [
+        ({"epic": {"compile": {"leed": 3}}}, "unknown field(s) 'leed'; valid: lead, key, glue"),
+        ({"epic": {"link": {**link, "on_misisng": "fail"}}}, "unknown field(s) 'on_misisng'; valid: policy, sink"),
+        ({"epic": {"compile": {"lead": 1}, "lnk": link}}, "unknown field(s) 'lnk'; valid: link, compile, find"),
+        ({"epic": "link"}, "expected an object with one of link, compile, find, got str"),
+        ({"epic": {"find": False, "link": link}}, "expected exactly one of link, compile, find, got link, find"),
+        # nested past what vLLM can pickle to its workers: before, the engine core died of RecursionError
+        ({"epic": {"link": {**link, "spans": [deep]}}}, "kv_transfer_params nested deeper than 32 levels"),
+    ]
+    for params, why in refused:
+        try:
+            _, epic, _ = w["b"].complete(prompt, 2, params, min_tokens=2, ignore_eos=True)
+        except BadRequestError as e:  # vLLM's own request parsing may refuse the deep one first: fine
+            assert "nested deeper" in why, e
+            continue
+        assert epic is not None and set(epic) == {"error"} and why in epic["error"], (params, epic)
+    _a_answers_exactly(w)  # the engine core lives on, and A's links are what they were
+
+
 def test_refusals_leave_no_internals_and_as_answers_are_unchanged_at_the_end(world):
     w = world
     log = w["log"].read_text()

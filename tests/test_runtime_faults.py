@@ -157,3 +157,28 @@ def test_a_compile_batch_failing_part_way_aborts_its_requests_and_leaves_nothing
     while "r1" not in llm.aborted and time.monotonic() < deadline:
         time.sleep(0.01)
     assert "r1" in llm.aborted
+
+
+def test_shutdown_ends_the_step_under_way_fails_the_waiting_requests_and_only_then_frees_the_engine(rt):
+    from epic_rag.engine.engine import EpicEngine
+
+    r, llm = rt
+    llm.gate = threading.Event()
+    box = queue.SimpleQueue()
+    r.submit("a", None, None, box.put)
+    assert llm.in_step.wait(5)
+    freed = []
+    eng = object.__new__(EpicEngine)  # only what shutdown reads
+    eng.runtime, eng._llm, eng._local = (
+        r,
+        SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: freed.append(1))),
+        None,
+    )
+    r.stop_timeout_s = 0.2
+    eng.shutdown()  # the step is still running: vLLM's engine is not torn down under it
+    assert freed == [] and r._thread.is_alive()
+    llm.gate.set()  # the step ends: the thread stops, the request is told, the engine core goes
+    assert r.shutdown(timeout=5) is True
+    assert isinstance(_last(box), RuntimeError)
+    eng.shutdown()
+    assert freed == [1]

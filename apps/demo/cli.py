@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -139,8 +138,6 @@ def _progress_bars(library):
 def cmd_demo(args: argparse.Namespace) -> int:
     logging.getLogger("epic_rag_demo").setLevel(args.log_level.upper())
     cfg = _config(args)
-    from epic_rag import EngineConfig
-
     from .access import check_bind
 
     try:
@@ -149,62 +146,76 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"epic-rag demo: {e}", file=sys.stderr)
         return 2
 
+    from epic_rag.stopping import StopSignals
+
     from .background import BackgroundServer
-    from .config import demo_store_spec, open_demo_store
     from .server import create_app
 
     app = create_app(engine=None, config=cfg)
     state = app.state.demo
-    # Serve at once (/healthz answers "loading"); the engine loads on this thread (vLLM wants the main one).
-    server = BackgroundServer(app, args.host, args.port, log_level=args.log_level, access_log=args.log_level == "debug")
-    server.start()
+    server = None
+    # Ctrl-C and SIGTERM at any moment (loading, ingest, compile, an answer) end in _stop: in order, exit 130 / 0
+    with StopSignals() as signals:
+        try:
+            # Serve at once (/healthz answers "loading"); the engine loads on this thread (vLLM wants the main one).
+            server = BackgroundServer(
+                app, args.host, args.port, log_level=args.log_level, access_log=args.log_level == "debug"
+            )
+            server.start()
+            _serve(args, cfg, server, state)
+        except KeyboardInterrupt:
+            print("\nstopping", file=sys.stderr)
+        finally:
+            _stop(server, state)
+    return signals.exit_code
 
-    def stop(signum, frame):
-        raise KeyboardInterrupt
 
-    # Ctrl-C and SIGTERM stop the server cleanly (uvicorn runs in a thread and cannot take signals).
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+def _serve(args, cfg, server, state) -> None:
+    """Load the engine, hand it to the app, and wait for the server to end (or a stop signal)."""
+    from epic_rag import EngineConfig, EpicEngine
+
+    from .config import demo_store_spec, open_demo_store
+
     auth = "API key required" if cfg.api_key else "no API key"
     print(f"epic-rag demo: {server.url}  ({auth}; corpus {cfg.corpus}; data {cfg.data_dir})", file=sys.stderr)
     if not cfg.api_key and args.insecure_no_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
-    try:
-        t0 = time.perf_counter()
-        from epic_rag import EpicEngine
+    t0 = time.perf_counter()
+    # with the engine core in its own process, that process opens the store from its spec
+    store = demo_store_spec(cfg.store_spec) if cfg.multiprocess else open_demo_store(cfg.store_spec)
+    config = EngineConfig(
+        model=cfg.model, policy=cfg.policy, store=store, max_model_len=cfg.max_model_len, multiprocess=cfg.multiprocess
+    )
+    # held by the state at once: _stop tears it down whatever happens next (a half-built one tears itself down)
+    state.engine = engine = EpicEngine(config)
+    print(
+        f"engine ready in {time.perf_counter() - t0:.1f}s (store {type(engine.store).__name__}); "
+        "ingesting the corpus in the background",
+        file=sys.stderr,
+    )
+    state.library.listeners.append(_progress_bars(state.library))
+    state.attach_engine(engine)
+    if (
+        not args.no_browser_needed
+        and sys.stdout.isatty()
+        and (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or sys.platform == "darwin")
+    ):
+        import webbrowser
 
-        # with the engine core in its own process, that process opens the store from its spec
-        store = demo_store_spec(cfg.store_spec) if cfg.multiprocess else open_demo_store(cfg.store_spec)
-        engine = EpicEngine(
-            EngineConfig(
-                model=cfg.model,
-                policy=cfg.policy,
-                store=store,
-                max_model_len=cfg.max_model_len,
-                multiprocess=cfg.multiprocess,
-            )
-        )
-        print(
-            f"engine ready in {time.perf_counter() - t0:.1f}s (store {type(engine.store).__name__}); "
-            "ingesting the corpus in the background",
-            file=sys.stderr,
-        )
-        state.library.listeners.append(_progress_bars(state.library))
-        state.attach_engine(engine)
-        if (
-            not args.no_browser_needed
-            and sys.stdout.isatty()
-            and (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or sys.platform == "darwin")
-        ):
-            import webbrowser
+        webbrowser.open(server.url)
+    while server.thread.is_alive():
+        server.thread.join(1.0)
 
-            webbrowser.open(server.url)
-        while server.thread.is_alive():
-            server.thread.join(1.0)
-    except KeyboardInterrupt:
-        print("\nstopping", file=sys.stderr)
-    finally:
+
+def _stop(server, state) -> None:
+    """Tear down in order: no new HTTP work; ingestion takes no more; the engine ends its step and fails what
+    still waits (compiles and answers in flight end with an error, nothing half stored), then its core goes;
+    the ingestion thread and the server are joined. Nothing is left running into interpreter exit."""
+    if server is not None:
+        server.server.should_exit = True  # stop accepting; answers in flight end when the engine stops
+    state.library.stop(timeout=0)
+    if state.engine is not None:
+        state.engine.shutdown()
+    state.library.stop(timeout=120)  # its compile failed at once; an embedding batch in flight ends first
+    if server is not None:
         server.stop()
-        if state.engine is not None:
-            state.engine.shutdown()
-    return 0

@@ -8,7 +8,7 @@ import functools
 
 from fastapi import APIRouter, File, HTTPException, UploadFile
 
-from .library import QuotaExceeded
+from .library import NameTaken, QuotaExceeded
 from .state import DemoState
 
 
@@ -34,6 +34,8 @@ def documents_router(state: DemoState) -> APIRouter:
             info = await asyncio.get_running_loop().run_in_executor(state.upload_pool, add)
         except QuotaExceeded as e:
             raise HTTPException(507, str(e)) from None
+        except NameTaken as e:
+            raise HTTPException(409, str(e)) from None
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         return {"document": info.as_dict()}

@@ -17,6 +17,7 @@ def error_response(status: int, message: str, param: str | None = None, headers=
         400: "invalid_request_error",
         401: "authentication_error",
         404: "not_found_error",
+        409: "conflict_error",
         413: "request_too_large",
         429: "rate_limit_error",
         503: "service_unavailable",

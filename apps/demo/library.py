@@ -8,6 +8,7 @@ a question that retrieves it passes its text and the engine compiles it on the f
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import queue
@@ -15,6 +16,7 @@ import re
 import tempfile
 import threading
 import time
+import unicodedata
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,8 +36,23 @@ MAX_ERRORS = 100  # progress errors kept (the oldest go): a long-running server 
 NAME_MAX_BYTES = 255  # a file name's limit on every common file system, in bytes (not characters)
 
 
+class _Stopped(Exception):
+    """Raised inside the ingestion thread once the library is stopping: it ends without finishing its step."""
+
+
 class QuotaExceeded(ValueError):
     """An upload that would take the uploads past their quota (documents or bytes): nothing is written."""
+
+
+class NameTaken(ValueError):
+    """An upload named like a corpus file: uploads never replace the user's own files; nothing is written."""
+
+
+# Characters that make a name display as something it is not (review E): explicit bidi marks, embeddings,
+# overrides and isolates (U+202E shows "evil\u202etxt.exe" as "evilexe.txt"), and line/paragraph separators.
+# Other format characters stay allowed: ZWNJ (U+200C) is part of ordinary Persian words.
+_MISLEADING = frozenset("\u061c\u200e\u200f\u2028\u2029") | {chr(c) for c in range(0x202A, 0x202F)}
+_MISLEADING |= {chr(c) for c in range(0x2066, 0x206A)}
 
 
 def private_dir(path: Path) -> Path:
@@ -50,14 +67,17 @@ def private_dir(path: Path) -> Path:
 def safe_upload_name(name: object) -> str:
     """The basename an upload is stored under; ValueError for names that could escape the folder.
 
-    Rejects NUL and other control characters, absolute paths, any '..' component and hidden names;
+    Rejects NUL and other control characters (C0, C1), bidi controls and line separators, absolute paths,
+    any '..' component and hidden names;
     keeps only the last path component of a relative name ('notes/a.txt' -> 'a.txt')."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError("file name is empty")
     if len(name) > 255:
         raise ValueError("file name is longer than 255 characters")
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+    if any(unicodedata.category(ch) == "Cc" for ch in name):  # C0, DEL and C1
         raise ValueError("file name contains NUL or control characters")
+    if any(ch in _MISLEADING for ch in name):
+        raise ValueError("file name contains bidirectional or line-separator characters")
     try:
         name.encode()
     except UnicodeEncodeError:
@@ -77,6 +97,13 @@ def safe_upload_name(name: object) -> str:
             f"unsupported file type {Path(base).suffix or '(none)'}; supported: {', '.join(sorted(DOC_SUFFIXES))}"
         )
     return base
+
+
+def _is_upload_name(name: str) -> bool:
+    try:
+        return safe_upload_name(name) == name
+    except ValueError:
+        return False
 
 
 @dataclass(slots=True)
@@ -159,6 +186,19 @@ class Library:
         self._emb_dir = config.data_dir / "embeddings"
         self._emb_bytes: int | None = None  # the embedding cache's size, scanned at its first write
         self._upload_sizes: dict[str, int] = {}  # uploaded document -> bytes (the quotas)
+        # In a corpus folder, which files were uploaded is not in the folder: it is kept here, so the quotas
+        # survive a restart (a folder of uploads is all uploads). One per corpus folder.
+        self._manifest: Path | None = None
+        if config.corpus_dir is not None:
+            tag = hashlib.sha256(str(config.corpus_dir).encode()).hexdigest()[:16]
+            self._manifest = config.data_dir / f"uploads-{tag}.json"
+            # read now, not when the corpus loads: uploads are taken while the engine still loads
+            for name in self._load_manifest():
+                p = config.corpus_dir / name
+                # a name without its file (deleted, or a crash mid-upload) is dropped; one no upload could have
+                # (a path, a hidden name) is not trusted
+                if _is_upload_name(name) and p.is_file():
+                    self._upload_sizes[name] = p.stat().st_size
         self._enc_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self.parse_limits = ParseLimits(cpu_s=config.parse_cpu_s, max_chars=config.max_document_chars)
 
@@ -174,6 +214,8 @@ class Library:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop ingesting and wait up to `timeout` s for the thread (a compile in flight ends when the engine
+        shuts down; an embedding batch in flight first ends)."""
         self._stop.set()
         self._tasks.put(("stop",))
         if self._thread is not None:
@@ -222,7 +264,16 @@ class Library:
             info = DocInfo(name, "upload", path, len(doc.text))
             with self._lock:  # file and index replaced together: the last upload of a name wins in both
                 self._check_quota(name, len(data))  # again: concurrent uploads passed the first check together
-                os.replace(tmp, path)
+                # over an earlier upload of this name (a folder of uploads holds nothing else); never a corpus file
+                replaces = self.cfg.corpus_dir is None or name in self._upload_sizes
+                # recorded before the file lands: a crash in between leaves a name without a file (dropped on
+                # load), never an upload counted as the user's own file
+                self._save_manifest({**self._upload_sizes, name: len(data)})
+                try:
+                    self._place(tmp, path, replaces)
+                except BaseException:
+                    self._save_manifest(self._upload_sizes)
+                    raise
                 self._remove_locked(name)
                 self._upload_sizes[name] = len(data)
                 self.docs[name] = info
@@ -235,6 +286,60 @@ class Library:
                 pass
             raise
         return info
+
+    def _place(self, tmp: str, path: Path, replaces: bool) -> None:
+        """Move the written upload to `path`: over an earlier upload of that name, or where nothing is, never
+        over another file (a link fails on an existing name, checked and made in one step)."""
+        if replaces:
+            os.replace(tmp, path)
+            return
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise NameTaken(
+                f"{path.name} is a file of the corpus folder; uploads never replace it (rename the upload)"
+            ) from None
+        except OSError:  # no hard links on this file system: checked, then moved
+            if path.exists():
+                raise NameTaken(
+                    f"{path.name} is a file of the corpus folder; uploads never replace it (rename the upload)"
+                ) from None
+            os.replace(tmp, path)
+            return
+        os.unlink(tmp)
+
+    def _load_manifest(self) -> dict[str, int]:
+        """The uploads recorded in the corpus folder's manifest (name -> bytes); empty where there is none."""
+        if self._manifest is None:
+            return {}
+        try:
+            raw = json.loads(self._manifest.read_text())
+            uploads = raw["uploads"]
+            if not isinstance(uploads, dict):
+                raise ValueError("uploads is not an object")
+            return {str(k): int(v) for k, v in uploads.items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("upload manifest %s unreadable (%s): earlier uploads count as corpus files", self._manifest, e)
+            return {}
+
+    def _save_manifest(self, uploads: dict[str, int]) -> None:
+        """Write the manifest whole or not at all (a temp file, then os.replace), owner-only."""
+        if self._manifest is None:
+            return
+        private_dir(self.cfg.data_dir)
+        fd, tmp = tempfile.mkstemp(dir=self.cfg.data_dir, prefix=".uploads-", suffix=".part")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"corpus": str(self.cfg.corpus_dir), "uploads": uploads}, f, sort_keys=True)
+            os.replace(tmp, self._manifest)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     def _check_quota(self, name: str, size: int) -> None:
         """QuotaExceeded when keeping this upload (replacing one of the same name) would exceed the quotas."""
@@ -252,7 +357,7 @@ class Library:
         """Drop a document from the index; files in the upload/corpus folder are deleted too."""
         with self._lock:
             info = self._remove_locked(name)
-            self._upload_sizes.pop(name, None)
+            was_upload = self._upload_sizes.pop(name, None) is not None
             self.progress.documents = len(self.docs)
         if info is not None and info.path is not None:
             folder = self.cfg.uploads_dir.resolve()
@@ -261,6 +366,9 @@ class Library:
                     info.path.unlink(missing_ok=True)
             except OSError as e:
                 log.warning("could not delete %s: %s", info.path, e)
+        if was_upload:  # after the file: a crash in between leaves a name without a file (dropped on load)
+            with self._lock:
+                self._save_manifest(self._upload_sizes)
         return info
 
     def list_documents(self) -> list[dict]:
@@ -303,7 +411,11 @@ class Library:
                 except queue.Empty:
                     continue
                 self._handle(task)
+            except _Stopped:
+                return
             except Exception as e:  # keep the thread alive: report (no internals: /api/status shows it) and go on
+                if self._stop.is_set():  # the engine shut down under it: stopping, not a failure
+                    return
                 log.exception("ingestion step failed")
                 with self._lock:
                     self.progress.errors.append(f"ingestion step failed ({type(e).__name__}; see the server log)")
@@ -351,7 +463,9 @@ class Library:
                         why = str(e) if isinstance(e, ValueError) else f"{rel}: unreadable ({type(e).__name__})"
                         self.progress.errors.append(f"skipped {why}")
                     continue
-                found.append((Document(rel, d.text), "corpus" if cfg.corpus_dir else "upload", p))
+                with self._lock:
+                    uploaded = cfg.corpus_dir is None or rel in self._upload_sizes
+                found.append((Document(rel, d.text), "upload" if uploaded else "corpus", p))
         with self._lock:
             for doc, source, path in found:
                 if doc.name not in self.docs:
@@ -418,6 +532,8 @@ class Library:
         try:
             refs = self.engine.compile([c.text for c in batch])
         except Exception as e:
+            if self._stop.is_set():  # the engine shut down under it: nothing stored half, nothing marked failed
+                raise _Stopped from e
             log.exception("compiling %d chunks failed", len(batch))
             why = f"compile failed ({type(e).__name__}; see the server log)"  # engine text may hold paths
             with self._lock:
@@ -478,6 +594,8 @@ class Library:
             with self._lock:
                 self.progress.embedded += len(texts) - len(todo)
         for s in range(0, len(todo), 32):
+            if progress and self._stop.is_set():  # a large document's embedding must not hold up a stop
+                raise _Stopped
             part = todo[s : s + 32]
             with self._enc_lock:
                 vecs = np.asarray(

@@ -39,7 +39,14 @@ class EpicEngine:
     """An embedded vLLM engine with position-independent chunk caching (EPIC's compile + link)."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
+        try:
+            self._build(config or EngineConfig())
+        except BaseException:  # Ctrl-C while the model loads, a failed check: what was built is torn down
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        self.config = config
         self.default_policy = parse_policy(config.policy)
         self.model_dir = resolve_model(config.model)
         # With the core in its own process, or workers in their own (tensor parallelism), they open the store
@@ -340,7 +347,17 @@ class EpicEngine:
                 yield ev.text
 
     def shutdown(self) -> None:
-        if getattr(self, "runtime", None) is not None:
-            self.runtime.shutdown()
-        if self._local is not None:
+        """Stop in order (any time, also half way through __init__; idempotent): the stepping thread ends its
+        step and fails what still waits, then vLLM's engine core is torn down (executor and workers, or its
+        process) here, not by finalizers at interpreter exit, where a native thread still running aborts the
+        process ("terminate called without an active exception")."""
+        runtime = getattr(self, "runtime", None)
+        stopped = runtime.shutdown() if runtime is not None else True
+        llm = getattr(self, "_llm", None)
+        if llm is not None and stopped:  # a step still running would use what this frees
+            vllm_api.shutdown_engine(llm)
+        elif llm is not None:
+            log.error("the engine thread is still inside a step; vLLM's engine is left to exit with the process")
+        if getattr(self, "_local", None) is not None:
             unregister_local(self._local)
+            self._local = None

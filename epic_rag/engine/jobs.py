@@ -32,6 +32,7 @@ that outlived its first step. A link names at most MAX_SPANS spans (kv_connector
 from __future__ import annotations
 
 import json
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,26 @@ from ..store import ChunkKV
 from ..store.base import check_key
 
 MAX_SPANS = 512  # spans one link may name: each is checked and sliced on the worker (records are read once)
+
+# The fields each object may hold: any other is refused by name (a misspelt field never falls back silently;
+# review D: {"leed": 3} became a bare compile into the shared store).
+EPIC_FIELDS = ("link", "compile", "find")
+LINK_FIELDS = ("policy", "sink", "spans", "on_missing")
+COMPILE_FIELDS = ("lead", "key", "glue")
+
+# Client values quoted in errors: bounded in length and depth (a value nested thousands deep made repr raise
+# RecursionError while the error was being written).
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxlist, _repr.maxdict, _repr.maxstring, _repr.maxother = 3, 6, 6, 60, 60
+_quote = _repr.repr
+
+
+def _only(what: str, p: dict, valid: tuple[str, ...]) -> None:
+    """ValueError naming the fields of `p` not in `valid`, and the valid ones."""
+    unknown = [k for k in p if k not in valid]
+    if unknown:
+        names = ", ".join(_quote(k) for k in unknown[:8])
+        raise ValueError(f"{what}: unknown field(s) {names}; valid: {', '.join(valid)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +146,8 @@ class LinkRequest:
         """Parse and check a link (the "link" value); raises ValueError naming what is wrong. Spans must be
         in prompt order, disjoint and inside the prompt, and at most `max_spans`."""
         if not isinstance(p, dict):
-            raise ValueError("epic link: expected an object")
+            raise ValueError(f"epic link: expected an object with fields {', '.join(LINK_FIELDS)}")
+        _only("epic link", p, LINK_FIELDS)
         policy = parse_policy(p.get("policy", ""))
         if not policy.links_chunks:
             raise ValueError(f"epic link: policy {policy.name} links no chunks")
@@ -142,11 +164,11 @@ class LinkRequest:
             ok = isinstance(s, (list, tuple)) and len(s) == 5 and isinstance(s[0], str)
             ok = ok and all(isinstance(x, int) and not isinstance(x, bool) for x in s[1:4]) and isinstance(s[4], bool)
             if not ok:
-                raise ValueError(f"epic link: a span is [key, offset, start, n, exact], got {s!r}")
+                raise ValueError(f"epic link: a span is [key, offset, start, n, exact], got {_quote(s)}")
             check_key(s[0])  # names a file or a Redis key: refused here, never looked up
             span = SpanRef(*s).proven()
             if span.offset < 0 or span.n < 1 or span.start < end:
-                raise ValueError(f"epic link: span {s!r} overlaps the one before or is empty")
+                raise ValueError(f"epic link: span {_quote(s)} overlaps the one before or is empty")
             end = span.end
             spans.append(span)
         if end > num_prompt:
@@ -155,7 +177,7 @@ class LinkRequest:
             raise ValueError("epic link: the prompt needs a token after the linked ones")
         on_missing = p.get("on_missing", "recompute")
         if on_missing not in ("recompute", "fail"):
-            raise ValueError(f"epic link: on_missing must be 'recompute' or 'fail', got {on_missing!r}")
+            raise ValueError(f"epic link: on_missing must be 'recompute' or 'fail', got {_quote(on_missing)}")
         return cls(policy, sink, tuple(spans), on_missing)
 
 
@@ -175,9 +197,10 @@ class CompileRequest:
         key = p.get("key") if isinstance(p, dict) else None
         if not isinstance(p, dict) or not (key is None or (isinstance(key, str) and key)):
             raise ValueError("epic compile: expected {'lead': int, 'key': str (optional), 'glue': bool (optional)}")
+        _only("epic compile", p, COMPILE_FIELDS)
         lead, glue = p.get("lead", 0), p.get("glue", False)
         if not isinstance(lead, int) or isinstance(lead, bool) or not 0 <= lead < num_prompt:
-            raise ValueError(f"epic compile: lead must be an int in [0, {num_prompt}), got {lead!r}")
+            raise ValueError(f"epic compile: lead must be an int in [0, {num_prompt}), got {_quote(lead)}")
         if not isinstance(glue, bool):
             raise ValueError("epic compile: glue must be a boolean")
         if glue and lead:  # glue sits at position 0 with nothing before it: its KV must be computed bare
@@ -207,10 +230,20 @@ class CompileRequest:
 
 
 def epic_params(kv_transfer_params: Any) -> dict[str, Any] | None:
-    """The "epic" part of a request's kv_transfer_params, if any."""
+    """The "epic" part of a request's kv_transfer_params: None when there is none; ValueError when it is not an
+    object, names a field not in EPIC_FIELDS, or names more than one of them (a link with a find would have
+    run the find)."""
     p = kv_transfer_params if isinstance(kv_transfer_params, dict) else {}
-    e = p.get("epic")
-    return e if isinstance(e, dict) else None
+    if "epic" not in p:
+        return None
+    e = p["epic"]
+    if not isinstance(e, dict):
+        raise ValueError(f"epic: expected an object with one of {', '.join(EPIC_FIELDS)}, got {type(e).__name__}")
+    _only("epic", e, EPIC_FIELDS)
+    named = [f for f in EPIC_FIELDS if f in e]
+    if len(named) != 1:
+        raise ValueError(f"epic: expected exactly one of {', '.join(EPIC_FIELDS)}, got {', '.join(named) or 'none'}")
+    return e
 
 
 # ---------------------------------------------------------------- worker side

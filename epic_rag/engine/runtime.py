@@ -46,6 +46,7 @@ class Runtime:
     fatal: BaseException | None = None
     # Freed heap memory goes back to the OS at most this often under load, and once after work (heap.py)
     heap_trim_s: float = TRIM_EVERY_S
+    stop_timeout_s: float = 60.0  # shutdown waits this long for the step under way (a long prefill on a CPU)
     trimmer: HeapTrimmer = field(init=False)
 
     def __post_init__(self) -> None:
@@ -139,11 +140,16 @@ class Runtime:
         self._inbox.put(("abort", req_id))
         self._wake.set()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Stop stepping: the thread ends the step it is in (a compile's record is stored whole or not at all)
+        and fails every request still waiting. True once the thread has ended (or never ran); False when it is
+        still inside a step after `timeout` s (default stop_timeout_s), and vLLM's engine must then be left
+        alone."""
         self._stop = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.stop_timeout_s if timeout is None else timeout)
+        return self._thread is None or not self._thread.is_alive()
 
     def _drain(self) -> None:
         while True:

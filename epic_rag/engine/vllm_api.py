@@ -52,6 +52,7 @@ Internals (read from vLLM 0.32.0's source; nothing guarantees them):
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -59,6 +60,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 CONNECTOR_MODULE = "epic_rag.engine.connector"
 ONEDNN_PRIMITIVE_CACHE = 128  # oneDNN's global primitive cache in vLLM's CPU ops (see prepare_process)
@@ -150,6 +153,16 @@ def has_work(llm) -> bool:
     core = getattr(getattr(llm, "engine_core", None), "engine_core", None)  # InprocClient -> EngineCore
     scheduler = getattr(core, "scheduler", None)
     return scheduler is not None and scheduler.has_requests()
+
+
+def shutdown_engine(llm) -> None:
+    """Tear vLLM's engine core down now (in-process: its executor, workers and scheduler; its own process: that
+    process, joined), once nothing steps it any more. Idempotent (vLLM detaches its finalizer on the first call);
+    a failure is logged, never raised into a shutdown."""
+    try:
+        llm.engine_core.shutdown()
+    except Exception:
+        log.warning("vLLM's engine core did not shut down cleanly", exc_info=True)
 
 
 def device_total_memory() -> int:
