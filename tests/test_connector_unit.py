@@ -594,6 +594,17 @@ def test_a_compile_over_max_compile_tokens_fails_with_a_clear_error_before_anyth
         assert stores.chunks.keys() == []
 
 
+def test_a_compile_over_max_compile_tokens_is_refused_by_the_scheduler_before_its_prefill_runs():
+    c = _scheduler(max_compile_tokens=20)
+    prompt = [SINK] + list(range(100, 120))  # a record of 21 tokens
+    params = {"epic": {"compile": {"lead": 1}}}
+    req = SimpleNamespace(request_id="r", prompt_token_ids=prompt, kv_transfer_params=params)
+    assert c._parse(req) == (None, None)  # neither a link nor a compile: a plain prefill, nothing captured
+    assert "over this server's max_compile_tokens (20)" in c._results["r"]["error"]
+    ok = SimpleNamespace(request_id="s", prompt_token_ids=prompt[:21], kv_transfer_params={"epic": {"compile": {}}})
+    assert _scheduler(max_compile_tokens=21)._parse(ok)[1] is not None
+
+
 # ------------------------------------------------------- the request surface (security review 3, finding D)
 GOOD_LINK = {"policy": "legolink-2", "sink": SINK, "spans": [list(s) for s in SPANS]}
 

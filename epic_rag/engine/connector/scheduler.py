@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from ...policy import Policy, parse_policy
 from ...redact import redact
+from ...store.metrics import COMPILE_REFUSALS
 from .. import vllm_api
 from ..jobs import CompileRequest, LinkRequest, SpanRef, epic_params
 from .config import ConnectorConfig
@@ -137,6 +138,7 @@ class SchedulerSide:
         self.finder = ChunkFinder()
         self.tenancy = config.tenancy  # tenants, and what clients may ask (tenancy.py)
         self.max_spans = config.max_spans
+        self.max_compile_tokens = config.max_compile_tokens
         self._finished: list[str] = []
         self._kvm = None
 
@@ -170,7 +172,15 @@ class SchedulerSide:
                 return LinkRequest.from_params(p["link"], len(prompt), self.max_spans), None
             if not self.tenancy.allow_client_compiles:  # epic_params left exactly one: "compile"
                 raise ValueError("epic compile: this server does not accept compiles (allow_client_compiles)")
-            return None, CompileRequest.from_params(p["compile"], len(prompt))
+            comp = CompileRequest.from_params(p["compile"], len(prompt))
+            n = len(comp.record_tokens(prompt))
+            if self.max_compile_tokens is not None and n > self.max_compile_tokens:
+                COMPILE_REFUSALS.labels("tokens").inc()  # refused before its prefill: nothing captured
+                raise ValueError(
+                    f"epic compile: its record would hold {n} tokens, over this server's max_compile_tokens "
+                    f"({self.max_compile_tokens}); nothing stored"
+                )
+            return None, comp
         except ValueError as e:  # the client's own mistake: told as it is
             log.warning("request %s: %s; computed without linking", request.request_id, str(e)[:500])
             self._results[request.request_id] = {"error": str(e)[:500]}
