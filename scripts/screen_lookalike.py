@@ -63,57 +63,10 @@ FILLER = (
 
 
 def lead_with_filler(tokenizer, kind: str = "template") -> list[int]:
-    """The template up to its second document, the first holding FILLER (glue tokens, as the prompt's)."""
-    return lead_with_documents(tokenizer, [FILLER])
+    """The template up to its second document, the first holding FILLER."""
+    from epic_rag.prompt import compile_lead_behind, encode_text
 
-
-def lead_with_documents(tokenizer, docs: list[str]) -> list[int]:
-    """The template up to the document after `docs`, each of them a document of its own (glue tokens, as the
-    prompt's)."""
-    from epic_rag.prompt import encode_glue, render_request
-    from epic_rag.types import RagRequest
-
-    ids, seen = [], 0
-    for seg in render_request(tokenizer, RagRequest(question="?", chunks=[*docs, "?"])):
-        if isinstance(seg, str):
-            ids += encode_glue(tokenizer, seg)
-            continue
-        if seen == len(docs):
-            break
-        ids += encode_glue(tokenizer, docs[seen])
-        seen += 1
-    return ids
-
-
-LEADS: dict[tuple[int, ...], list[int]] = {}  # chunk tokens -> the lead it is compiled behind (nbrK variants)
-
-
-def patch_leads() -> None:
-    """Chunks named in LEADS are keyed and compiled behind their own lead (the engine's lead otherwise)."""
-    from epic_rag.engine.chunks import ChunkResolver
-    from epic_rag.keys import chunk_key
-
-    key, batch = ChunkResolver.key, ChunkResolver._compile_batch
-
-    def lead_key(self, token_ids, variant):
-        lead = LEADS.get(tuple(token_ids))
-        if lead is None or variant == "plain":
-            return key(self, token_ids, variant)
-        return chunk_key(self.fingerprint, token_ids, lead, self.tenant)
-
-    def lead_batch(self, todo):
-        for k, (fut, tokens, variant) in todo.items():  # one at a time: each its own lead
-            lead = LEADS.get(tuple(tokens))
-            if lead is None or variant == "plain":
-                batch(self, {k: (fut, tokens, variant)})
-                continue
-            own, self.lead = self.lead, lead
-            try:
-                batch(self, {k: (fut, tokens, variant)})
-            finally:
-                self.lead = own
-
-    ChunkResolver.key, ChunkResolver._compile_batch = lead_key, lead_batch
+    return compile_lead_behind(tokenizer, [encode_text(tokenizer, FILLER)], kind)
 
 
 def home_of(s) -> int | None:
@@ -283,13 +236,10 @@ def run_variant(eng, tok, s, v: str, sig: dict, k_of: dict) -> dict:
     mods_s, _, pol = v.rpartition("/")
     mods = set(mods_s.split("+")) if mods_s else set()
     sample, order = ordered(s, mods, sig)
-    LEADS.clear()
     nbr = next((int(m[3:]) for m in mods if m.startswith("nbr")), 0)
-    if nbr:
-        for i, c in enumerate(s.chunks):
-            near = [s.chunks[j] for j in sig["nbrs"][i][:nbr]][::-1]  # the nearest right before the chunk
-            LEADS[tuple(k_of[c])] = lead_with_documents(tok, near)
-        eng.compile(list(s.chunks))
+    if nbr:  # the engine's refine: each chunk behind its nearest (the nearest right before it)
+        near = [[k_of[s.chunks[j]] for j in sig["nbrs"][i][:nbr]][::-1] for i in range(len(s.chunks))]
+        eng.chunks.refine([k_of[c] for c in s.chunks], near)
     segs = sample_segments(tok, sample)
     CUR.update(split=None)
     if "@" in pol:
@@ -309,7 +259,7 @@ def run_variant(eng, tok, s, v: str, sig: dict, k_of: dict) -> dict:
     row |= {"pred": g.text[:40], "rec": g.recomputed_tokens, "ttft": g.ttft_s, "prompt": g.prompt_tokens}
     row |= {"margin": round(alts[0] - alts[1], 4) if len(alts) > 1 else None, "split": CUR.get("split")}
     row |= {k: sig[k] for k in ("retr_margin", "lex_spread")}
-    LEADS.clear()
+    eng.chunks._refined.clear()  # the next variant links the plain records again (screening only)
     return row
 
 
@@ -398,7 +348,6 @@ def main() -> None:
     )
     tok = eng.tokenizer
     Linker._query_picks = make_picks(tok, Linker._query_picks)
-    patch_leads()
     enc = sentence_encoder()
     samples = build_samples(tok, {t: a.samples for t in a.tasks}, tasks=tuple(a.tasks), split="dev")
     done = set()
