@@ -8,8 +8,8 @@ import functools
 
 from fastapi import APIRouter, File, HTTPException, UploadFile
 
-from .library import NameTaken, QuotaExceeded
 from .state import DemoState
+from .uploads import NameTaken, QuotaExceeded
 
 
 def documents_router(state: DemoState) -> APIRouter:

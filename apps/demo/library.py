@@ -8,15 +8,12 @@ a question that retrieves it passes its text and the engine compiles it on the f
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import queue
-import re
 import tempfile
 import threading
 import time
-import unicodedata
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,82 +25,22 @@ from epic_rag.corpus import DOC_SUFFIXES, Document, ParseLimits, chunk_document,
 from epic_rag.types import ChunkRef
 
 from .config import DemoConfig
+from .uploads import (
+    UploadManifest,
+    check_quota,
+    is_upload_name,
+    place_upload,
+    private_dir,
+    safe_upload_name,
+)
 
 log = logging.getLogger(__name__)
 
-_WINDOWS_DRIVE = re.compile(r"^[A-Za-z]:")
 MAX_ERRORS = 100  # progress errors kept (the oldest go): a long-running server must not grow without bound
-NAME_MAX_BYTES = 255  # a file name's limit on every common file system, in bytes (not characters)
 
 
 class _Stopped(Exception):
     """Raised inside the ingestion thread once the library is stopping: it ends without finishing its step."""
-
-
-class QuotaExceeded(ValueError):
-    """An upload that would take the uploads past their quota (documents or bytes): nothing is written."""
-
-
-class NameTaken(ValueError):
-    """An upload named like a corpus file: uploads never replace the user's own files; nothing is written."""
-
-
-# Characters that make a name display as something it is not (review E): explicit bidi marks, embeddings,
-# overrides and isolates (U+202E shows "evil\u202etxt.exe" as "evilexe.txt"), and line/paragraph separators.
-# Other format characters stay allowed: ZWNJ (U+200C) is part of ordinary Persian words.
-_MISLEADING = frozenset("\u061c\u200e\u200f\u2028\u2029") | {chr(c) for c in range(0x202A, 0x202F)}
-_MISLEADING |= {chr(c) for c in range(0x2066, 0x206A)}
-
-
-def private_dir(path: Path) -> Path:
-    """`path` as a folder only its owner can list or enter (0700), created with its parents where missing."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = path.stat()
-    if st.st_mode & 0o077 and st.st_uid == os.getuid():  # ours but open to others (an older version made it)
-        path.chmod(0o700)
-    return path
-
-
-def safe_upload_name(name: object) -> str:
-    """The basename an upload is stored under; ValueError for names that could escape the folder.
-
-    Rejects NUL and other control characters (C0, C1), bidi controls and line separators, absolute paths,
-    any '..' component and hidden names;
-    keeps only the last path component of a relative name ('notes/a.txt' -> 'a.txt')."""
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError("file name is empty")
-    if len(name) > 255:
-        raise ValueError("file name is longer than 255 characters")
-    if any(unicodedata.category(ch) == "Cc" for ch in name):  # C0, DEL and C1
-        raise ValueError("file name contains NUL or control characters")
-    if any(ch in _MISLEADING for ch in name):
-        raise ValueError("file name contains bidirectional or line-separator characters")
-    try:
-        name.encode()
-    except UnicodeEncodeError:
-        raise ValueError("file name is not valid Unicode text") from None
-    if name.startswith(("/", "\\")) or _WINDOWS_DRIVE.match(name):
-        raise ValueError("file name must not be an absolute path")
-    parts = re.split(r"[/\\]", name)
-    if any(p == ".." for p in parts):
-        raise ValueError("file name must not contain '..'")
-    base = parts[-1].strip()
-    if not base or base.startswith("."):
-        raise ValueError("file name must be a plain, non-hidden file name")
-    if len(base.encode()) > NAME_MAX_BYTES:  # 130 accented letters are 260 bytes: a file system refuses them
-        raise ValueError(f"file name is longer than {NAME_MAX_BYTES} bytes in UTF-8")
-    if Path(base).suffix.lower() not in DOC_SUFFIXES:
-        raise ValueError(
-            f"unsupported file type {Path(base).suffix or '(none)'}; supported: {', '.join(sorted(DOC_SUFFIXES))}"
-        )
-    return base
-
-
-def _is_upload_name(name: str) -> bool:
-    try:
-        return safe_upload_name(name) == name
-    except ValueError:
-        return False
 
 
 @dataclass(slots=True)
@@ -188,16 +125,15 @@ class Library:
         self._upload_sizes: dict[str, int] = {}  # uploaded document -> bytes (the quotas)
         # In a corpus folder, which files were uploaded is not in the folder: it is kept here, so the quotas
         # survive a restart (a folder of uploads is all uploads). One per corpus folder.
-        self._manifest: Path | None = None
+        self._manifest: UploadManifest | None = None
         if config.corpus_dir is not None:
-            tag = hashlib.sha256(str(config.corpus_dir).encode()).hexdigest()[:16]
-            self._manifest = config.data_dir / f"uploads-{tag}.json"
+            self._manifest = UploadManifest(config.data_dir, config.corpus_dir)
             # read now, not when the corpus loads: uploads are taken while the engine still loads
-            for name in self._load_manifest():
+            for name in self._manifest.load():
                 p = config.corpus_dir / name
                 # a name without its file (deleted, or a crash mid-upload) is dropped; one no upload could have
                 # (a path, a hidden name) is not trusted
-                if _is_upload_name(name) and p.is_file():
+                if is_upload_name(name) and p.is_file():
                     self._upload_sizes[name] = p.stat().st_size
         self._enc_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self.parse_limits = ParseLimits(cpu_s=config.parse_cpu_s, max_chars=config.max_document_chars)
@@ -270,7 +206,7 @@ class Library:
                 # load), never an upload counted as the user's own file
                 self._save_manifest({**self._upload_sizes, name: len(data)})
                 try:
-                    self._place(tmp, path, replaces)
+                    place_upload(tmp, path, replaces)
                 except BaseException:
                     self._save_manifest(self._upload_sizes)
                     raise
@@ -287,71 +223,13 @@ class Library:
             raise
         return info
 
-    def _place(self, tmp: str, path: Path, replaces: bool) -> None:
-        """Move the written upload to `path`: over an earlier upload of that name, or where nothing is, never
-        over another file (a link fails on an existing name, checked and made in one step)."""
-        if replaces:
-            os.replace(tmp, path)
-            return
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise NameTaken(
-                f"{path.name} is a file of the corpus folder; uploads never replace it (rename the upload)"
-            ) from None
-        except OSError:  # no hard links on this file system: checked, then moved
-            if path.exists():
-                raise NameTaken(
-                    f"{path.name} is a file of the corpus folder; uploads never replace it (rename the upload)"
-                ) from None
-            os.replace(tmp, path)
-            return
-        os.unlink(tmp)
-
-    def _load_manifest(self) -> dict[str, int]:
-        """The uploads recorded in the corpus folder's manifest (name -> bytes); empty where there is none."""
-        if self._manifest is None:
-            return {}
-        try:
-            raw = json.loads(self._manifest.read_text())
-            uploads = raw["uploads"]
-            if not isinstance(uploads, dict):
-                raise ValueError("uploads is not an object")
-            return {str(k): int(v) for k, v in uploads.items()}
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("upload manifest %s unreadable (%s): earlier uploads count as corpus files", self._manifest, e)
-            return {}
-
     def _save_manifest(self, uploads: dict[str, int]) -> None:
-        """Write the manifest whole or not at all (a temp file, then os.replace), owner-only."""
-        if self._manifest is None:
-            return
-        private_dir(self.cfg.data_dir)
-        fd, tmp = tempfile.mkstemp(dir=self.cfg.data_dir, prefix=".uploads-", suffix=".part")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"corpus": str(self.cfg.corpus_dir), "uploads": uploads}, f, sort_keys=True)
-            os.replace(tmp, self._manifest)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        if self._manifest is not None:  # only a corpus folder has one (a folder of uploads is all uploads)
+            self._manifest.save(uploads)
 
     def _check_quota(self, name: str, size: int) -> None:
-        """QuotaExceeded when keeping this upload (replacing one of the same name) would exceed the quotas."""
-        cfg = self.cfg
-        with self._lock:
-            replaced = self._upload_sizes.get(name)
-            docs = len(self._upload_sizes) + (replaced is None)
-            total = sum(self._upload_sizes.values()) - (replaced or 0) + size
-        if docs > cfg.max_documents:
-            raise QuotaExceeded(f"upload quota reached: {cfg.max_documents} documents; delete some first")
-        if total > cfg.max_upload_total_bytes:
-            raise QuotaExceeded(f"upload quota reached: {cfg.max_upload_total_bytes} bytes; delete some first")
+        with self._lock:  # a consistent view of the uploads (they change under this lock)
+            check_quota(self._upload_sizes, name, size, self.cfg)
 
     def delete(self, name: str) -> DocInfo | None:
         """Drop a document from the index; files in the upload/corpus folder are deleted too."""

@@ -19,11 +19,8 @@ Compile lock. `fleet_lock` gives `ChunkStore.compile_lock` its shared lock: PREF
 SET NX PX lock_ttl (default 120 s; lock_ttl=0 turns it off) to a token of the holder, released by a
 compare-and-delete script, so one process of the fleet compiles a chunk while the others wait for its entry.
 
-Tenant quotas (`quota`, TenantQuota). Where one is set, each tenant's entries are listed in
-PREFIX@tenant<tag>.<tenant id>.lru (a sorted set: key -> last write or hit) and .bytes (a hash: key -> size),
-kept by every replica; a write that takes its tenant over the quota deletes that tenant's least recently used
-entries (members whose entry expired or was evicted by Redis are dropped from the lists first). Without a quota
-nothing is listed and no command is added.
+Tenant quotas (`quota`, TenantQuota): each tenant's entries are listed in Redis and a tenant over its quota
+loses its own least recently used entries; the bookkeeping is redis_quota.TenantLedger's.
 
 Every command runs under socket timeouts with no client-side retries, so a dead or unreachable server
 costs at most one timeout, after which the tier is marked down for `retry_s` seconds: gets miss and puts
@@ -44,7 +41,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from . import codec
 from .base import ChunkKV, ChunkStore, FleetLock, RecordHead, TenantQuota, check_key, check_quant
-from .metrics import QUOTA_EVICTIONS, QUOTA_REFUSALS
+from .metrics import QUOTA_REFUSALS
+from .redis_quota import TenantLedger
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +203,7 @@ class RedisStore(ChunkStore):
             **kwargs,
         )
         self._down_until: float | None = None  # monotonic time of the next probe while down
+        self._ledger = TenantLedger(self, _SKIP)
         self._call(lambda c: c.ping())  # logs a warning if the server is not there yet
 
     def __repr__(self) -> str:
@@ -420,8 +419,7 @@ class RedisStore(ChunkStore):
             self._drop(key, rkey, data)
             return None
         if self.quota.active:
-            lru = self._ledger(kv.tenant)[0]
-            self._call(lambda c: c.zadd(lru, {key: time.time()}, xx=True), write=True)
+            self._ledger.touch(kv.tenant, key)
         with self._lock:
             self.stats.record_load(t0)
         return kv
@@ -486,80 +484,11 @@ class RedisStore(ChunkStore):
             self.stats.puts += 1
             self.stats.put_seconds += time.perf_counter() - t0
         if self.quota.active:
-            self._enforce_quota(kv.tenant, kv.key, len(data))
-
-    # ------------------------------------------------------------------ tenant quotas
-    def _ledger(self, tenant: str) -> tuple[str, str]:
-        """(LRU sorted set, sizes hash) of a tenant's entries in this namespace (module docstring)."""
-        base = f"{self.prefix}@tenant{self._tag}.{tenant or 'none'}"
-        return base + ".lru", base + ".bytes"
-
-    def _enforce_quota(self, tenant: str, key: str, size: int) -> None:
-        """List `key` (just written) under its tenant, then delete the tenant's oldest entries while over quota."""
-        lru, sizes = self._ledger(tenant)
-
-        def listed(c):
-            pipe = c.pipeline(transaction=False)
-            pipe.zadd(lru, {key: time.time()})
-            pipe.hset(sizes, key, size)
-            pipe.zrange(lru, 0, -1)  # least recently used first
-            pipe.hgetall(sizes)
-            return pipe.execute()
-
-        res = self._call(listed, write=True)
-        if res is _SKIP:
-            return
-        own = [(k.decode("utf-8", "replace"), int(res[3].get(k, 0))) for k in res[2]]
-        if not self.quota.over(sum(n for _, n in own), len(own)):
-            return
-
-        # members whose entry is gone (expired, evicted by Redis, dropped) leave the lists first: not evictions
-        def exists(c):
-            pipe = c.pipeline(transaction=False)
-            for k, _ in own:
-                pipe.exists(f"{self.prefix}{k}{self._tag}")
-            return pipe.execute()
-
-        alive = self._call(exists)
-        if alive is _SKIP:
-            return
-        stale = [k for (k, _), a in zip(own, alive) if not a and k != key]
-        own = [(k, n) for (k, n), a in zip(own, alive) if a or k == key]
-        nbytes, n = sum(b for _, b in own), len(own)
-        victims = []
-        for k, b in own:
-            if not self.quota.over(nbytes, n):
-                break
-            if k != key:
-                victims.append(k)
-                nbytes, n = nbytes - b, n - 1
-        evicted = 0
-        for k in victims:
-            try:
-                evicted += self.delete(k)
-            except ValueError:  # a member that is no chunk key (planted): just unlisted
-                pass
-        gone = stale + victims
-        if gone:
-            self._call(lambda c: (c.zrem(lru, *gone), c.hdel(sizes, *gone)), write=True)
-        if evicted:
-            QUOTA_EVICTIONS.labels(self.name).inc(evicted)
-            with self._lock:
-                self.stats.evictions += evicted
-                self.stats.quota_evictions += evicted
+            self._ledger.enforce(kv.tenant, kv.key, len(data))
 
     def tenant_usage(self) -> dict[str, tuple[int, int]]:
         """tenant id -> (bytes, entries) as listed (only while a quota is set; "" is the default tenant)."""
-        head = f"{self.prefix}@tenant{self._tag}."
-        out = {}
-        for name in self._scan_raw():
-            text = name.decode("utf-8", "replace")
-            if text.startswith(head) and text.endswith(".bytes"):
-                t = text[len(head) : -len(".bytes")]
-                sizes = self._call(lambda c: c.hvals(name))
-                if sizes is not _SKIP:
-                    out["" if t == "none" else t] = (sum(int(x) for x in sizes), len(sizes))
-        return out
+        return self._ledger.usage(self._scan_raw())
 
     def delete(self, key: str) -> bool:
         rkey = self._rkey(key)
@@ -618,7 +547,7 @@ class RedisStore(ChunkStore):
     def clear(self) -> int:
         """Delete this tier's entries and their parts; returns how many entries."""
         raw = self._scan_raw()
-        ledgers = [k for k in raw if k.startswith(f"{self.prefix}@tenant{self._tag}.".encode())]
+        ledgers = [k for k in raw if k.startswith(self._ledger.head.encode())]
         entries = [k for k in raw if self._key_of(k) is not None]
         parts = [k for k in raw if b"@part." in k and self._key_of(k.rsplit(b"@part.", 1)[0]) is not None]
         n = 0
