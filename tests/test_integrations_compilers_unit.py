@@ -131,3 +131,36 @@ async def test_document_compiler_async_form(engine):
     docs = [Document("three doc")]
     assert await comp.ainvoke(docs) == docs
     assert engine.compiled == [["three doc"]]
+
+
+def test_compile_documents_refines_each_document_behind_its_nearest_by_the_vector_stores_embeddings(engine, request):
+    pytest.importorskip("langchain_core")
+    from langchain_core.documents import Document
+    from langchain_core.embeddings import Embeddings
+
+    from epic_rag.integrations.langchain import compile_documents
+
+    class TableEmbeddings(Embeddings):  # a vector store's embedder: one fixed vector per text
+        table = {"a": [1.0, 0.0], "b": [0.0, 1.0], "c": [1.0, 1.0]}
+
+        def embed_documents(self, texts):
+            return [self.table[t] for t in texts]
+
+        def embed_query(self, text):
+            return self.table[text]
+
+    from epic_rag.integrations._shared import peek_shared_engine, set_shared_engine
+
+    before = peek_shared_engine()  # compile_documents adopts the engine given: not this recording one
+    request.addfinalizer(lambda: set_shared_engine(before))
+    docs = [Document("a"), Document("b"), Document("a"), Document("c"), Document("  ")]
+    refs = compile_documents(docs, engine=engine, neighbours=5, embeddings=TableEmbeddings())
+    assert len(refs) == len(docs)  # one ref per Document, in input order
+    assert engine.refined == (["a", "b", "c"], 2, [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # k capped, texts once
+    compile_documents(docs[:2], engine=engine, neighbours=1)
+    assert engine.refined == (["a", "b"], 1, None)  # no embeddings given: the engine's packaged embedder
+    del engine.refined
+    compile_documents(docs, engine=engine)
+    assert not hasattr(engine, "refined")  # neighbours=0 (the default): no refine
+    with pytest.raises(ValueError, match="neighbours"):
+        compile_documents(docs, engine=engine, neighbours=-1)

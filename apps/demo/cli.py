@@ -67,6 +67,13 @@ def register(subparsers) -> None:
     d.add_argument("--data-dir", default=None, help="default ~/.cache/epic_rag/demo")
     d.add_argument("--top-k", type=int, default=4)
     d.add_argument("--chunk-tokens", type=int, default=256)
+    d.add_argument(
+        "--refine-neighbours",
+        type=int,
+        default=2,
+        help="once the corpus is compiled, compile each chunk again behind this many nearest chunks (by the "
+        "search index) and link that record (neighbour-aware compile; 0: off; default 2)",
+    )
     d.add_argument("--max-model-len", type=int, default=8192)
     d.add_argument(
         "--multiprocess",
@@ -101,6 +108,7 @@ def _config(args):
         allowed_origins=_csv(args.allowed_origins),
         top_k=args.top_k,
         chunk_tokens=args.chunk_tokens,
+        refine_neighbours=args.refine_neighbours,
         max_model_len=args.max_model_len,
         multiprocess=args.multiprocess,
     )

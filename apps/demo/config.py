@@ -39,6 +39,9 @@ class DemoConfig:
     max_top_k: int = 16
     chunk_tokens: int = 256
     compile_batch: int = 4  # chunks per engine.compile call (small: a chat waits for at most one)
+    # Neighbour-aware compile (EpicEngine.refine): once the corpus is compiled, each chunk is compiled again
+    # behind this many of its nearest chunks by the FAISS index, and links use that record; 0 turns it off.
+    refine_neighbours: int = 2
     default_max_tokens: int = 128
     max_tokens_limit: int = 1024
     max_prompt_chars: int = 8000  # all message text of one request together
@@ -70,6 +73,7 @@ class DemoConfig:
             "max_top_k",
             "chunk_tokens",
             "compile_batch",
+            "refine_neighbours",
             "default_max_tokens",
             "max_tokens_limit",
             "max_prompt_chars",
@@ -88,7 +92,7 @@ class DemoConfig:
             "disk_max_bytes",
         ):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < (0 if name == "top_k" else 1):
+            if not isinstance(v, int) or v < (0 if name in ("top_k", "refine_neighbours") else 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         for name in ("stream_write_timeout_s", "stream_keepalive_s", "stream_idle_s"):
             v = getattr(self, name)

@@ -2,7 +2,9 @@
 
 One background thread does all ingestion (chunking, embedding, engine.compile in batches), so the
 server answers while a corpus loads. Chunks become searchable once embedded; until a chunk is compiled
-a question that retrieves it passes its text and the engine compiles it on the fly.
+a question that retrieves it passes its text and the engine compiles it on the fly. Once nothing is left to
+compile, the same thread refines (neighbour-aware compile, `refine_neighbours`): each chunk compiled again
+behind its nearest chunks by the FAISS index, which links of it use from then on.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class ChunkRecord:
     text: str
     ref: ChunkRef | None = None  # set once compiled into the store
     failed: bool = False  # compile failed: questions pass the text (compiled on the fly)
+    near: tuple[str, ...] | None = None  # the chunks it was refined behind (nearest last); () if it was not
 
 
 @dataclass(slots=True)
@@ -84,6 +87,8 @@ class Progress:
     embedded: int = 0
     compiled: int = 0
     compile_seconds: float = 0.0
+    refined: int = 0  # chunks linked in their neighbour-aware form
+    refine_seconds: float = 0.0
     errors: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_ERRORS))
     started: float = field(default_factory=time.time)
 
@@ -95,6 +100,8 @@ class Progress:
             "embedded": self.embedded,
             "compiled": self.compiled,
             "compile_seconds": round(self.compile_seconds, 2),
+            "refined": self.refined,
+            "refine_seconds": round(self.refine_seconds, 2),
             "errors": list(self.errors)[-10:],
             "elapsed_s": round(time.time() - self.started, 1),
         }
@@ -156,6 +163,10 @@ class Library:
         self._tasks.put(("stop",))
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.engine is not None:  # its neighbour sets end with it: an engine that outlives it links plain
+            with self._lock:
+                refined = sorted({c.text for c in self.chunks.values() if c.near})
+            self.engine.unrefine(refined)
 
     def wait_ready(self, timeout: float) -> bool:
         """Block until everything queued so far is indexed and compiled (for tests and scripts)."""
@@ -164,6 +175,19 @@ class Library:
             if self.progress.state == "ready" and self._tasks.empty():
                 with self._lock:
                     if all(c.ref is not None or c.failed for c in self.chunks.values()):
+                        return True
+            time.sleep(0.1)
+        return False
+
+    def wait_refined(self, timeout: float) -> bool:
+        """Block until every compiled chunk has been refined (or refining is off)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.wait_ready(max(0.0, end - time.monotonic())):
+                with self._lock:
+                    if self.cfg.refine_neighbours < 1 or len(self.chunks) < 2:
+                        return True
+                    if all(c.near is not None for c in self.chunks.values() if c.ref is not None):
                         return True
             time.sleep(0.1)
         return False
@@ -279,7 +303,7 @@ class Library:
         while not self._stop.is_set():
             try:
                 self._drain_tasks()
-                if self._compile_next_batch():
+                if self._compile_next_batch() or self._refine_next_batch():
                     continue
                 with self._lock:
                     self.progress.state = "ready"
@@ -435,6 +459,54 @@ class Library:
         self._notify()
         return True
 
+    def _refine_next_batch(self) -> bool:
+        """Refine up to compile_batch compiled chunks behind their refine_neighbours nearest chunks (the
+        FAISS index's own vectors; the nearest right before the chunk); False when none is left."""
+        k = self.cfg.refine_neighbours
+        if k < 1 or self.busy():
+            return False
+        with self._lock:
+            if self._index is None or self._index.ntotal < 2:
+                return False
+            batch = [c for c in self.chunks.values() if c.ref is not None and c.near is None][: self.cfg.compile_batch]
+            if not batch:
+                return False
+            row = {cid: i for i, cid in enumerate(self._ids)}
+            vecs = np.stack([self._index.reconstruct(row[c.id]) for c in batch])  # [B, E]
+            _, found = self._index.search(vecs, min(k + 1, self._index.ntotal))
+            near = [
+                tuple(self._ids[r] for r in rows if r >= 0 and self._ids[r] != c.id)[:k][::-1]
+                for c, rows in zip(batch, found)
+            ]
+            texts = [[self.chunks[i].text for i in ids] for ids in near]
+            self.progress.state = "ready"  # every chunk is compiled: refining only improves links
+        t0 = time.perf_counter()
+        try:
+            self.engine.refine([c.text for c in batch], texts)
+        except Exception as e:
+            if self._stop.is_set():
+                raise _Stopped from e
+            log.exception("refining %d chunks failed", len(batch))
+            with self._lock:  # they stay linked in their plain form
+                self.progress.errors.append(f"refine failed ({type(e).__name__}; see the server log)")
+                for c in batch:
+                    c.near = ()
+            return True
+        dt = time.perf_counter() - t0
+        gone = []
+        with self._lock:
+            self.progress.refine_seconds += dt
+            for c, ids in zip(batch, near):
+                if self.chunks.get(c.id) is c and all(i in self.chunks for i in ids):
+                    c.near = ids
+                    self.progress.refined += 1
+                else:  # it or a neighbour was deleted meanwhile: linked plain again
+                    gone.append(c.text)
+        if gone:
+            self.engine.unrefine(gone)
+        self._notify()
+        return True
+
     def _remove_locked(self, name: str) -> DocInfo | None:
         info = self.docs.pop(name, None)
         if info is None:
@@ -442,10 +514,23 @@ class Library:
         gone = {cid for cid, c in self.chunks.items() if c.doc == name}
         if gone:
             rows = [i for i, cid in enumerate(self._ids) if cid in gone]
+            # the chunks that go, and those refined behind one of them (refined again later), are linked plain
+            plain = set()
             for cid in gone:
                 c = self.chunks.pop(cid)
                 if c.ref is not None:
                     self.progress.compiled -= 1
+                if c.near:
+                    self.progress.refined -= 1
+                    plain.add(c.text)
+            for c in self.chunks.values():
+                if c.near and not gone.isdisjoint(c.near):
+                    c.near = None
+                    self.progress.refined -= 1
+                    plain.add(c.text)
+            plain -= {c.text for c in self.chunks.values() if c.near}  # a text another document still holds
+            if plain and self.engine is not None:
+                self.engine.unrefine(sorted(plain))
             self.progress.chunks -= len(gone)
             self.progress.embedded -= len(gone)
             # A flat index removes rows in place and keeps the others in order, aligned with _ids.

@@ -46,7 +46,7 @@ class _StoreCollector:
             yield fam
         p = self._library.status()
         g = GaugeMetricFamily("epic_rag_corpus", "documents and chunks in the demo corpus", labels=["what"])
-        for what in ("documents", "chunks", "embedded", "compiled"):
+        for what in ("documents", "chunks", "embedded", "compiled", "refined"):
             g.add_metric([what], float(p[what]))
         yield g
 

@@ -11,6 +11,7 @@ harness are never mixed in.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -106,11 +107,24 @@ OLD_DTYPE = "float32"  # rows written before the dtype was recorded ran in fp32
 OLD_COMPILE = "sink1"  # rows written before the compile form was recorded linked chunks compiled this way
 
 
+def refined_policy(name: str) -> tuple[int, str]:
+    """`nbr<K>/<policy>` -> (K, policy): the policy linked over chunks refined behind their K nearest among the
+    sample's chunks (EpicEngine.refine_nearest, the packaged MiniLM); a plain policy name -> (0, name)."""
+    m = re.fullmatch(r"nbr(\d+)/(.+)", name)
+    if m is None:
+        return 0, name
+    k, base = int(m[1]), m[2]
+    if k < 1 or not parse_policy(base).links_chunks:
+        raise ValueError(f"{name!r}: nbr<K>/ takes K >= 1 and a linking policy")
+    return k, base
+
+
 def row_setup(setup: dict, task: str, policy: str, compile_variant: str) -> dict:
     """What a row's result depends on: the task's setup, and for a linking policy the chunks' compile form."""
     want = dict(setup[task])
-    if parse_policy(policy).links_chunks:
-        want["compile"] = compile_variant
+    k, base = refined_policy(policy)
+    if parse_policy(base).links_chunks:
+        want["compile"] = compile_variant + (f"+nbr{k}" if k else "")
     return want
 
 
@@ -125,7 +139,7 @@ def load_rows(out: Path, setup: dict, compile_variant: str = OLD_COMPILE) -> tup
             r = json.loads(line)
             made = r.get("setup") or {}
             made = {"dtype": OLD_DTYPE} | made
-            if parse_policy(r["policy"]).links_chunks:
+            if parse_policy(refined_policy(r["policy"])[1]).links_chunks:
                 made = {"compile": OLD_COMPILE} | made
             if r.get("task") in setup and made == row_setup(setup, r["task"], r["policy"], compile_variant):
                 rows.append(r)
@@ -172,8 +186,9 @@ def run_accuracy(
                 continue
             engine.compile(list(s.chunks))  # outside the timed generations, as a corpus would be
             segs = sample_segments(engine.tokenizer, s)
-            for p in pols:
-                g = engine.generate(segs, max_tokens=setup[s.task]["max_tokens"], temperature=0.0, policy=p)
+            for p, refine_s in _linked_in_form(engine, s, pols):
+                base = refined_policy(p)[1]
+                g = engine.generate(segs, max_tokens=setup[s.task]["max_tokens"], temperature=0.0, policy=base)
                 r = {
                     "id": s.id,
                     "task": s.task,
@@ -190,6 +205,8 @@ def run_accuracy(
                     "prompt_tokens": g.prompt_tokens,
                     "recomputed_tokens": g.recomputed_tokens,
                 }
+                if refine_s is not None:  # what the refine pass cost this sample (once, at compile time)
+                    r["refine_s"] = refine_s
                 f.write(json.dumps(r) + "\n")
                 f.flush()
                 rows.append(r)
@@ -197,6 +214,30 @@ def run_accuracy(
     bar.close()
     ids = {s.id for s in samples}
     return [r for r in rows if r["id"] in ids and r["policy"] in policies]
+
+
+def _linked_in_form(engine, s: Sample, pols: list[str]):
+    """(policy, refine seconds or None) in the order to run them: plain policies over the plain records first,
+    then per K the `nbr<K>/` ones, with the sample's chunks refined behind their K nearest (timed) and linked
+    plain again afterwards, so no other row ever links a refined record."""
+    import time
+
+    by_k: dict[int, list[str]] = defaultdict(list)
+    for p in pols:
+        by_k[refined_policy(p)[0]].append(p)
+    for p in by_k.pop(0, []):
+        yield p, None
+    chunks = list(s.chunks)
+    for k, group in sorted(by_k.items()):
+        t0 = time.perf_counter()
+        if len(chunks) > 1:
+            engine.refine_nearest(chunks, k=min(k, len(chunks) - 1))
+        took = round(time.perf_counter() - t0, 3)
+        try:
+            for p in group:
+                yield p, took
+        finally:
+            engine.unrefine(chunks)
 
 
 # ---------------------------------------------------------------------- summaries
@@ -294,6 +335,15 @@ def summarize(rows: list[dict], policies: list[str]) -> dict:
     return {"summary": summary, "tasks": per_task, "open": open_table(opened, policies) if opened else []}
 
 
+def refine_seconds(rows: list[dict]) -> dict:
+    """Median seconds the refine pass took per sample, by task and refined policy (its compile-time cost)."""
+    by = defaultdict(list)
+    for r in rows:
+        if "refine_s" in r:
+            by[(r["task"], r["policy"])].append(r["refine_s"])
+    return {f"{t}/{p}": round(statistics.median(v), 3) for (t, p), v in sorted(by.items())}
+
+
 def gen_seconds(rows: list[dict]) -> dict:
     """Median seconds per generation by task and policy (what a full run costs per sample and policy)."""
     by = defaultdict(list)
@@ -346,6 +396,7 @@ def run(
         "reference": REFERENCE,
         "stats": {"ci": "95% Wilson (rates), 95% paired bootstrap, 10k resamples, seed 0 (differences, means)"},
         "gen_seconds_median": gen_seconds(rows),
+        "refine_seconds_median": refine_seconds(rows),
         **summarize(rows, policies),
     }
     save_json(out, "accuracy", data)

@@ -408,9 +408,11 @@ def load_plot(out: Path, load: dict) -> list[str]:
 def _meaning(name: str) -> tuple:
     """What a policy name means, so two names of one policy match."""
     from ..policy import parse_policy
+    from .accuracy import refined_policy
 
-    p = parse_policy(name)
-    return p.kind, p.k, p.ratio, p.form
+    nbr, base = refined_policy(name)
+    p = parse_policy(base)
+    return nbr, p.kind, p.k, p.ratio, p.form
 
 
 def _plots(out: Path, sync, load, acc, model: str) -> list[str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -72,6 +72,7 @@ class ChunkResolver:
         # ("nbr-" + the lead's id) -> the lead; chunk plain key -> its refined form, least recently used first
         self._leads: dict[str, list[int]] = {"plain": [], self.variant: self.lead}
         self._refined: OrderedDict[str, str] = OrderedDict()
+        self._form_uses: Counter[str] = Counter()  # chunks linked in each refined form (chunks may share a lead)
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
         self.compiled = 0  # chunks (and glue) compiled by this engine; those another process compiled are loaded
@@ -145,13 +146,32 @@ class ChunkResolver:
         with self._lock:
             for tokens, form in zip(chunks, forms):
                 plain = chunk_key(self.fingerprint, tokens, self.lead, self.tenant)
-                old = self._refined.pop(plain, None)
-                if old is not None and old != form:
-                    self._leads.pop(old, None)
+                self._form_uses[form] += 1  # before the old form is dropped: it may be this one
+                self._drop_form(self._refined.pop(plain, None))
                 self._refined[plain] = form
             while len(self._refined) > REFINED_INDEX_SIZE:
-                self._leads.pop(self._refined.popitem(last=False)[1], None)
+                self._drop_form(self._refined.popitem(last=False)[1])
         return keys
+
+    def _drop_form(self, form: str | None) -> None:
+        """One chunk fewer links in `form`; its lead is forgotten with its last chunk. Holds self._lock."""
+        if form is None:
+            return
+        self._form_uses[form] -= 1
+        if self._form_uses[form] <= 0:
+            del self._form_uses[form]
+            self._leads.pop(form, None)
+
+    def unrefine(self, chunks: list[list[int]]) -> int:
+        """Link these chunks in their plain form again (their refined records stay stored: a later refine
+        behind the same neighbours finds them); returns how many had a refined form."""
+        n = 0
+        with self._lock:
+            for tokens in chunks:
+                form = self._refined.pop(chunk_key(self.fingerprint, tokens, self.lead, self.tenant), None)
+                n += form is not None
+                self._drop_form(form)
+        return n
 
     def chunk_tokens(self, text: str) -> list[int]:
         ids = encode_text(self.tokenizer, check_chunk_text(text))

@@ -167,6 +167,13 @@ class EpicEngine:
         near = [np.argsort(-row)[:k][::-1] for row in sims]  # the nearest last, right before the chunk
         return self.refine(texts, [[texts[j] for j in idx] for idx in near], batch_size)
 
+    def unrefine(self, chunks: Sequence[str]) -> int:
+        """Undo `refine` for these chunk texts: links use their plain records again (a neighbour set that
+        no longer holds, a corpus changed). Returns how many chunks had a refined form."""
+        if isinstance(chunks, (str, bytes)):
+            raise ValueError("unrefine takes a list of chunk texts")
+        return self.chunks.unrefine([self.chunks.chunk_tokens(t) for t in chunks])
+
     # ------------------------------------------------------------------ prompts
     def render_messages(self, messages: Sequence[dict]) -> list[Segment]:
         """Chat-template role/content messages (generation prompt added); compiled chunk texts found in

@@ -65,6 +65,7 @@ function showProgress(st) {
     bar.removeAttribute("value");
   } else if (st.state === "ready") {
     text = `${st.documents} documents · ${st.compiled}/${st.chunks} chunks compiled`;
+    if (st.refined < st.compiled) text += ` · ${st.refined} refined behind their neighbours`;
     bar.value = 1;
   } else {
     const phase = st.state === "compiling" ? "compiling" : "indexing";

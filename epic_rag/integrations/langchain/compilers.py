@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
 from langchain_core.runnables import (
     RunnableConfig,
     RunnableSerializable,
@@ -22,12 +23,28 @@ from .._shared import (
 
 
 def compile_documents(
-    documents: Sequence[Document], engine: Any = None, policy: str | None = None, batch_size: int = 32
+    documents: Sequence[Document],
+    engine: Any = None,
+    policy: str | None = None,
+    batch_size: int = 32,
+    neighbours: int = 0,
+    embeddings: Embeddings | None = None,
 ) -> list[ChunkRef]:
     """Compile the Documents' page_content (at ingest), so prompts that insert them verbatim link them and
-    chains that pass them as chunks find them compiled. Returns the refs in input order."""
+    chains that pass them as chunks find them compiled. Returns the refs in input order.
+
+    `neighbours=k`: then compile each Document again behind its k nearest of `documents` (neighbour-aware
+    compile, EpicEngine.refine_nearest), by `embeddings` (the vector store's own, e.g.
+    `vectorstore.embeddings`; default: the packaged MiniLM); links of those texts use the refined records."""
+    if neighbours < 0:
+        raise ValueError(f"neighbours must be >= 0, got {neighbours}")
     eng = adopt_engine(engine) if engine is not None else shared_engine()
-    return eng.compile([d.page_content for d in documents], policy=policy, batch_size=batch_size)
+    refs = eng.compile([d.page_content for d in documents], policy=policy, batch_size=batch_size)
+    texts = list(dict.fromkeys(d.page_content for d in documents if d.page_content.strip()))
+    if neighbours and len(texts) > 1:
+        vecs = embeddings.embed_documents(texts) if embeddings is not None else None
+        eng.refine_nearest(texts, k=min(neighbours, len(texts) - 1), embeddings=vecs, batch_size=batch_size)
+    return refs
 
 
 class EpicDocumentCompiler(RunnableSerializable[Sequence[Document], list[Document]]):
