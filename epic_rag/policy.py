@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["full", "prefix", "naive", "legolink", "cacheblend", "query"]
+Kind = Literal["full", "prefix", "naive", "legolink", "cacheblend", "query", "auto"]
 Form = Literal["epic", "sink"]
 
 SINK_LEN = 1  # sink tokens kept in a chunk's record (the compile lead's first token)
@@ -38,6 +38,11 @@ DEFAULT_LEGOLINK_FORM: Form = "sink"
 # cost in accuracy.
 DEFAULT_POLICY = "query-20"
 FAST_POLICY = "legolink-16"
+# `auto`, resolved per request by the engine (EpicEngine.prepare): the fast link where every chunk of the prompt
+# is linked in a refined form (EpicEngine.refine: its KV was computed behind its nearest chunks), else the
+# query-aware one. Measured: docs/bench/qwen-refine.
+AUTO_POLICY = "auto"
+AUTO_REFINED, AUTO_PLAIN = FAST_POLICY, "query-20"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +67,7 @@ class Policy:
     @property
     def links_chunks(self) -> bool:
         """True when chunk KV comes from the store (the connector is involved)."""
-        return self.kind in ("naive", "legolink", "cacheblend", "query")
+        return self.kind in ("naive", "legolink", "cacheblend", "query", "auto")
 
     @property
     def keeps_sink(self) -> bool:
@@ -78,6 +83,7 @@ def _legolink(m: re.Match) -> Policy:
 
 _PATTERNS = [
     (re.compile(r"^(full|prefix|naive)$"), lambda m: Policy(m[1], m[1])),
+    (re.compile(r"^auto$"), lambda m: Policy("auto", "auto", form="sink")),
     (re.compile(r"^legolink-(?:(epic|sink)-)?(\d+)$"), _legolink),
     (
         re.compile(r"^cacheblend-(\d{1,2}(?:\.\d+)?|100)$"),
@@ -90,7 +96,7 @@ _PATTERNS = [
 ]
 
 POLICY_HELP = (
-    "full, prefix, naive, legolink-<k>, legolink-epic-<k>, legolink-sink-<k> (any k >= 0; k beyond a "
+    "auto, full, prefix, naive, legolink-<k>, legolink-epic-<k>, legolink-sink-<k> (any k >= 0; k beyond a "
     "chunk's length recomputes all of it), cacheblend-<r>, query-<r> (r in 0..100 percent)"
 )
 

@@ -201,6 +201,7 @@ def test_a_store_that_raises_fails_only_the_request_it_was_reading_for(caplog):
         ({"policy": "legolink-2", "spans": [["k", 0, 4, 2, False], ["j", 0, 5, 1, False]]}, "overlaps"),
         ({"policy": "legolink-2", "spans": [["k", 0, 8, 9, False]]}, "past the prompt"),
         ({"policy": "nope", "spans": [["k", 0, 0, 2, False]]}, "unknown policy"),
+        ({"policy": "auto", "spans": [["k", 0, 0, 2, False]]}, "resolved per request by EpicEngine"),
         ({"policy": "legolink-2", "spans": [["../../etc/passwd", 0, 0, 2, False]]}, "invalid chunk key"),
     ],
 )
@@ -544,6 +545,8 @@ def test_every_connector_option_is_checked_at_start_up_and_an_unknown_one_is_ref
     for extra, why in (
         ({"find_chunk": "legolink-0"}, "unknown option.*find_chunk"),  # a misspelt key never falls back silently
         ({"find_chunks": "nope"}, "unknown policy"),
+        ({"find_chunks": "full"}, "find_chunks must name a link policy"),
+        ({"find_chunks": "auto"}, "find_chunks must name a link policy"),
         ({"link_step_share": -1}, "link_step_share"),
         ({"async_links": "no"}, "async_links"),
         ({"max_spans": 0}, "max_spans"),

@@ -72,3 +72,29 @@ def test_refine_refuses_mismatched_neighbour_lists_and_changes_nothing(tiny_engi
     with pytest.raises(ValueError, match="at least two chunks"):
         tiny_engine.refine_nearest([OTHER])
     assert tiny_engine.chunks.form_of(tiny_engine.chunks.chunk_tokens(OTHER)) == before
+
+
+def test_auto_links_fast_only_where_every_chunk_is_refined_and_says_which_it_ran(tiny_engine):
+    a, b = "The vault code for bay one is 4417.", "The vault code for bay two is 9051."
+    req = RagRequest(question="What is the vault code for bay two?", chunks=[a, b])
+    tiny_engine.unrefine([a, b])
+    assert tiny_engine.generate(req, max_tokens=1, policy="auto").policy == "query-20"  # compiled alone
+    tiny_engine.refine([b], [[a]])
+    assert tiny_engine.generate(req, max_tokens=1, policy="auto").policy == "query-20"  # one chunk still plain
+    tiny_engine.refine([a], [[b]])
+    g = tiny_engine.generate(req, max_tokens=1, policy="auto")
+    assert g.policy == "legolink-16" and g.recomputed_tokens < g.prompt_tokens
+    assert tiny_engine.unrefine([a, b]) == 2
+    assert tiny_engine.generate(req, max_tokens=1, policy="auto").policy == "query-20"
+
+
+def test_chunks_sharing_a_neighbour_set_keep_their_refined_form_when_one_is_unrefined(tiny_engine):
+    x, y, n = "Shelf X holds the blue binders.", "Shelf Y holds the red binders.", "Shelf N holds the ledgers."
+    tiny_engine.refine([x, y], [[n], [n]])  # one lead (the template with n): one form for both
+    tok = tiny_engine.chunks.chunk_tokens
+    assert tiny_engine.chunks.form_of(tok(x)) == tiny_engine.chunks.form_of(tok(y)) != tiny_engine.chunks.variant
+    tiny_engine.unrefine([x])
+    assert not tiny_engine.chunks.is_refined(tok(x)) and tiny_engine.chunks.is_refined(tok(y))
+    g = tiny_engine.generate(RagRequest(question="Which shelf?", chunks=[y]), max_tokens=1, policy="legolink-0")
+    assert g.chunk_keys == [tiny_engine.chunk_key(tok(y), tiny_engine.chunks.form_of(tok(y)))]
+    tiny_engine.unrefine([y])

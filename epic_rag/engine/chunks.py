@@ -123,6 +123,10 @@ class ChunkResolver:
             self._refined.move_to_end(plain)
             return form
 
+    def is_refined(self, token_ids: Sequence[int]) -> bool:
+        """Whether links of this chunk use a refined record."""
+        return self.form_of(token_ids) != self.variant
+
     def refine(self, chunks: list[list[int]], neighbours: list[list[list[int]]], batch_size: int = 8) -> list[str]:
         """Compile each chunk behind its neighbours (token lists in prompt order, the nearest last) and link it
         in that form from now on; returns the refined records' keys. A chunk refined again takes its new form."""

@@ -14,7 +14,7 @@ from ..config import EngineConfig
 from ..keys import kv_fingerprint, record_key
 from ..matching import ChunkTextIndex
 from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
-from ..policy import SINK_LEN, parse_policy
+from ..policy import AUTO_PLAIN, AUTO_REFINED, SINK_LEN, parse_policy
 from ..prompt import assemble, compile_lead, compile_lead_behind, encode_glue, render_messages, to_segments
 from ..sampling import check_sampling_options
 from ..store import ChunkKV, ChunkStore, open_shared_tiers, open_store
@@ -215,6 +215,9 @@ class EpicEngine:
         prompt = assemble(
             segments, lambda s: encode_glue(self.tokenizer, s), self.chunks.place, self.max_model_len, sink
         )
+        if pol.kind == "auto":  # both choices drop the sink: the prompt assembled above is theirs
+            refined = bool(prompt.chunks) and all(self.chunks.is_refined(c.token_ids) for c in prompt.chunks)
+            pol = parse_policy(AUTO_REFINED if refined else AUTO_PLAIN)
         return PreparedRequest(
             prompt.token_ids,
             prompt.chunks,

@@ -149,6 +149,8 @@ class LinkRequest:
             raise ValueError(f"epic link: expected an object with fields {', '.join(LINK_FIELDS)}")
         _only("epic link", p, LINK_FIELDS)
         policy = parse_policy(p.get("policy", ""))
+        if policy.kind == "auto":  # it depends on the engine's refined records, which a link does not name
+            raise ValueError("epic link: 'auto' is resolved per request by EpicEngine; name a link policy")
         if not policy.links_chunks:
             raise ValueError(f"epic link: policy {policy.name} links no chunks")
         sink = p.get("sink")

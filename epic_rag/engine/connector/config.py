@@ -102,4 +102,11 @@ class ConnectorConfig:
     @property
     def find_policy(self) -> Policy | None:
         """The finder's policy (find_chunks), or None when it is off."""
-        return parse_policy(self.find_chunks) if self.find_chunks else None
+        if not self.find_chunks:
+            return None
+        pol = parse_policy(self.find_chunks)
+        if not pol.links_chunks or pol.kind == "auto":  # auto needs EpicEngine's refined records
+            raise ValueError(
+                f"find_chunks must name a link policy (naive, legolink-<k>, query-<r>...), got {pol.name!r}"
+            )
+        return pol

@@ -230,6 +230,8 @@ class SchedulerSide:
             policy = parse_policy(policy)
         elif not isinstance(policy, Policy):
             raise ValueError(f"epic find: expected a policy name or false, got {type(policy).__name__}")
+        if policy.kind == "auto":
+            raise ValueError("epic find: 'auto' is resolved per request by EpicEngine; name a link policy")
         if not policy.links_chunks:
             raise ValueError(f"epic find: policy {policy.name} links no chunks")
         if not len(self.finder) or len(prompt) < 2:
