@@ -140,6 +140,21 @@ def accuracy_markdown(acc: dict, plot: str | None) -> str:
         md += ["## Seconds per generation (median, prompt + answer)", ""]
         md += table(["policy", *tasks], [[p, *(cost.get(f"{t}/{p}", "") for t in tasks)] for p in acc["policies"]])
         md += [""]
+    refine = acc.get("refine_seconds_median", {})
+    if refine:
+        tasks = list(dict.fromkeys(k.split("/")[0] for k in refine))
+        md += [
+            "## Neighbour-aware compile (`nbr<K>/<policy>`)",
+            "",
+            "`nbr<K>/<policy>`: the policy linked over chunks refined behind their K nearest among the sample's "
+            "chunks (EpicEngine.refine_nearest, the packaged MiniLM's cosine; the nearest right before the chunk), "
+            "after the plain policies ran; linked plain again afterwards. Seconds the refine took per sample "
+            "(median; paid once per chunk at compile time, never in a TTFT):",
+            "",
+        ]
+        pols = [p for p in acc["policies"] if p.startswith("nbr")]
+        md += table(["policy", *tasks], [[p, *(refine.get(f"{t}/{p}", "") for t in tasks)] for p in pols])
+        md += [""]
     if plot:
         md += [f"![accuracy per policy]({plot})", ""]
     return "\n".join(md) + "\n"
