@@ -162,9 +162,14 @@ class EpicEngine:
         if emb.shape[0] != len(texts):
             raise ValueError(f"refine_nearest: {emb.shape[0]} embeddings for {len(texts)} chunks")
         emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
-        sims = emb @ emb.T  # [N, N]
-        np.fill_diagonal(sims, -np.inf)
-        near = [np.argsort(-row)[:k][::-1] for row in sims]  # the nearest last, right before the chunk
+        k = min(k, len(texts) - 1)
+        near = []
+        for lo in range(0, len(texts), 1024):  # a block of rows at a time: never an [N, N] matrix
+            sims = emb[lo : lo + 1024] @ emb.T  # [B, N]
+            sims[np.arange(sims.shape[0]), np.arange(lo, lo + sims.shape[0])] = -np.inf
+            top = np.argpartition(-sims, k - 1, axis=1)[:, :k]  # [B, k], unordered
+            for row, idx in zip(sims, top):
+                near.append(idx[np.argsort(-row[idx], kind="stable")][::-1])  # the nearest last, next to the chunk
         return self.refine(texts, [[texts[j] for j in idx] for idx in near], batch_size)
 
     def unrefine(self, chunks: Sequence[str]) -> int:
