@@ -17,6 +17,9 @@ tokens and its tail (question, template) over the linked chunk KV, scores every 
 the question gives it, then recomputes the top r percent of chunk tokens (plus the uncached ones) through all
 layers (linker.py).
 
+`auto` (the default) is resolved per request by EpicEngine: legolink-16 where every chunk links a refined
+record (neighbour-aware compile, EpicEngine.refine), else query-20.
+
 Measured on the demo's model (Qwen2.5-Coder-0.5B, 150 paired gold-answer samples, docs/bench/qwen-query):
 LegoLink-16 is no more accurate than naive there (56.0 vs 55.3 %, full 66.0 %): its fixed head recompute
 cannot know which tokens the question needs; query-20 is 1.3 points below full at a fifth of its TTFT.
@@ -33,16 +36,15 @@ Form = Literal["epic", "sink"]
 
 SINK_LEN = 1  # sink tokens kept in a chunk's record (the compile lead's first token)
 DEFAULT_LEGOLINK_FORM: Form = "sink"
-# The engine's (and so the integrations' and the demo's) default: the accurate policy, the closest to full's
-# answers measured on the demo's model (docs/benchmarks.md); FAST_POLICY is the fast option, at its measured
-# cost in accuracy.
-DEFAULT_POLICY = "query-20"
 FAST_POLICY = "legolink-16"
 # `auto`, resolved per request by the engine (EpicEngine.prepare): the fast link where every chunk of the prompt
 # is linked in a refined form (EpicEngine.refine: its KV was computed behind its nearest chunks), else the
-# query-aware one. Measured: docs/bench/qwen-refine.
+# query-aware one. On the test split (docs/bench/qwen-refine) legolink-16 over refined chunks answers as full
+# does at a fraction of query-20's TTFT; over chunks compiled alone query-20 is the closest to full.
 AUTO_POLICY = "auto"
 AUTO_REFINED, AUTO_PLAIN = FAST_POLICY, "query-20"
+# The engine's (and so the integrations' and the demo's) default.
+DEFAULT_POLICY = AUTO_POLICY
 
 
 @dataclass(frozen=True, slots=True)

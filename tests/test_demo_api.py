@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 
@@ -264,8 +265,11 @@ def test_metrics_after_real_requests(server, client):
         model="smollm2-135m-instruct", max_tokens=2, messages=[{"role": "user", "content": QUESTION}]
     )
     text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    default = DemoConfig().policy  # a request naming no policy is counted under the server's default
-    assert f'epic_rag_chat_completions_total{{outcome="ok",policy="{default}",stream="false"}}' in text
+    # a request naming no policy runs the server's default, auto, and is counted under the policy auto ran
+    assert DemoConfig().policy == "auto"
+    ran = re.search(r'epic_rag_auto_policy_total\{ran="([\w-]+)"\} 1\.0', text)
+    assert ran and ran[1] in ("legolink-16", "query-20"), text
+    assert f'epic_rag_chat_completions_total{{outcome="ok",policy="{ran[1]}",stream="false"}}' in text
     assert "epic_rag_time_to_first_token_seconds_count" in text
     assert "epic_rag_store_hits_total{tier=" in text and "epic_rag_linked_tokens_total" in text
 

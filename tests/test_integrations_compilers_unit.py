@@ -81,11 +81,12 @@ def test_chunk_compiler_refines_each_node_behind_its_nearest_by_the_nodes_own_em
     nodes[1].embedding = None  # one node without an embedding: the engine's own embedder for the batch
     step(nodes)
     assert engine.refined[2] is None
-    off = EpicChunkCompiler()
+    assert EpicChunkCompiler().neighbours == 2  # the default: refined behind the 2 nearest
+    off = EpicChunkCompiler(neighbours=0)
     off._engine = engine
     del engine.refined
     off(nodes)
-    assert not hasattr(engine, "refined")  # neighbours=0 (the default): no refine
+    assert not hasattr(engine, "refined")  # neighbours=0: no refine
 
 
 async def test_node_compiler_async_form(engine):
@@ -159,8 +160,10 @@ def test_compile_documents_refines_each_document_behind_its_nearest_by_the_vecto
     assert engine.refined == (["a", "b", "c"], 2, [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # k capped, texts once
     compile_documents(docs[:2], engine=engine, neighbours=1)
     assert engine.refined == (["a", "b"], 1, None)  # no embeddings given: the engine's packaged embedder
+    compile_documents(docs[:2], engine=engine)
+    assert engine.refined == (["a", "b"], 1, None)  # the default: refined behind up to 2 nearest
     del engine.refined
-    compile_documents(docs, engine=engine)
-    assert not hasattr(engine, "refined")  # neighbours=0 (the default): no refine
+    compile_documents(docs, engine=engine, neighbours=0)
+    assert not hasattr(engine, "refined")  # neighbours=0: no refine
     with pytest.raises(ValueError, match="neighbours"):
         compile_documents(docs, engine=engine, neighbours=-1)

@@ -103,8 +103,11 @@ def test_stock_query_engine_answers_from_the_index_with_linked_chunks(smol_engin
     stats = _chat_end(events).response.additional_kwargs
     assert set(STAT_KEYS) <= set(stats)
     assert stats["chunk_hits"] == 2 and stats["chunk_misses"] == 0 and stats["linked_tokens"] > 0
-    compiled = [smol_engine.text_index.get(node_llm_text(n.node)).key for n in response.source_nodes]
-    assert stats["chunk_keys"] == compiled  # the retrieved nodes, in prompt order
+    toks = [smol_engine.chunks.chunk_tokens(node_llm_text(n.node)) for n in response.source_nodes]
+    refined = [smol_engine.chunk_key(t, smol_engine.chunks.form_of(t)) for t in toks]
+    plain = [smol_engine.text_index.get(node_llm_text(n.node)).key for n in response.source_nodes]
+    # the retrieved nodes, in prompt order, in the form EpicChunkCompiler refined them into (its default)
+    assert stats["chunk_keys"] == refined and not set(refined) & set(plain)
     assert any(isinstance(e, LLMChatStartEvent) for e in events)
 
 

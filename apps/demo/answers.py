@@ -62,7 +62,7 @@ async def complete(state: DemoState, engine, body, plan: Plan, request: Request)
             task.cancel()
         m.inflight.dec()
         state.active_chats -= 1
-    m.observe_generation(gen, stream=False)
+    m.observe_generation(gen, stream=False, asked=plan.policy)
     finish = gen.finish_reason or "stop"
     if plan.text:
         choice = {"index": 0, "text": gen.text, "logprobs": text_logprobs(gen.logprobs), "finish_reason": finish}

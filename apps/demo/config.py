@@ -14,10 +14,20 @@ from epic_rag.redact import redact
 
 log = logging.getLogger(__name__)
 
-# The default link policy (each request may pick another) is the engine's, DEFAULT_POLICY: query-aware linking,
-# the closest to full's answers on the demo's model (legolink-16 is 10 points below: docs/benchmarks.md).
-# The policy switch in the page (the API accepts any name epic_rag.policy.parse_policy accepts).
-PAGE_POLICIES = ["query-20", "query-15", "legolink-16", "legolink-0", "naive", "cacheblend-15", "full", "prefix"]
+# The default link policy (each request may pick another) is the engine's, DEFAULT_POLICY ("auto"): legolink-16
+# once a request's chunks are refined behind their neighbours (the library does so after compiling), else
+# query-20 (docs/benchmarks.md). The policy switch in the page (the API accepts any name parse_policy accepts).
+PAGE_POLICIES = [
+    "auto",
+    "query-20",
+    "query-15",
+    "legolink-16",
+    "legolink-0",
+    "naive",
+    "cacheblend-15",
+    "full",
+    "prefix",
+]
 
 
 def default_data_dir() -> Path:

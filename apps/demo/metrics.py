@@ -103,15 +103,24 @@ class DemoMetrics:
             "epic_rag_request_chunk_misses", "chunks compiled at question time", ["policy"], registry=r
         )
         self.errors = Counter("epic_rag_errors", "errors by kind", ["kind"], registry=r)
+        self.auto = Counter(
+            "epic_rag_auto_policy",
+            "requests under policy auto, by the policy it ran (refined chunks: fast)",
+            ["ran"],
+            registry=r,
+        )
         self.inflight = Gauge("epic_rag_inflight_requests", "chat completions in progress", registry=r)
         r.register(_StoreCollector(get_engine, library))
 
     def policy(self, name: str) -> str:
         return policy_label(name, self.known_policies)
 
-    def observe_generation(self, gen, stream: bool) -> None:
+    def observe_generation(self, gen, stream: bool, asked: str | None = None) -> None:
+        """A finished answer, counted under the policy it ran (`asked`: the name the request gave, e.g. auto)."""
         p = self.policy(gen.policy)
         self.chat.labels(p, str(stream).lower(), "ok").inc()
+        if asked == "auto":
+            self.auto.labels(p).inc()
         self.ttft.labels(p).observe(gen.ttft_s)
         self.prompt_tokens.labels(p).inc(gen.prompt_tokens)
         self.linked_tokens.labels(p).inc(gen.linked_tokens)

@@ -265,7 +265,7 @@ async def stream_completion(state: DemoState, engine, body, plan: Plan):
             yield "data: [DONE]\n\n"
             return
         outcome = "ok"
-        m.observe_generation(gen, stream=True)
+        m.observe_generation(gen, stream=True, asked=plan.policy)
         yield chunk({}, gen.finish_reason or "stop", epic=epic_figures(plan, gen))
         if body.stream_options is not None and body.stream_options.include_usage:
             yield sse(

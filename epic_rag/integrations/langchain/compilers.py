@@ -27,15 +27,16 @@ def compile_documents(
     engine: Any = None,
     policy: str | None = None,
     batch_size: int = 32,
-    neighbours: int = 0,
+    neighbours: int = 2,
     embeddings: Embeddings | None = None,
 ) -> list[ChunkRef]:
     """Compile the Documents' page_content (at ingest), so prompts that insert them verbatim link them and
     chains that pass them as chunks find them compiled. Returns the refs in input order.
 
-    `neighbours=k`: then compile each Document again behind its k nearest of `documents` (neighbour-aware
-    compile, EpicEngine.refine_nearest), by `embeddings` (the vector store's own, e.g.
-    `vectorstore.embeddings`; default: the packaged MiniLM); links of those texts use the refined records."""
+    `neighbours=k` (default 2; 0: off): then compile each Document again behind its k nearest of `documents`
+    (neighbour-aware compile, EpicEngine.refine_nearest), by `embeddings` (the vector store's own, e.g.
+    `vectorstore.embeddings`; default: the packaged MiniLM); links of those texts use the refined records, which
+    the default policy, auto, links fast (legolink-16)."""
     if neighbours < 0:
         raise ValueError(f"neighbours must be >= 0, got {neighbours}")
     eng = adopt_engine(engine) if engine is not None else shared_engine()

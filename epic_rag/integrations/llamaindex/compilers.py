@@ -41,14 +41,14 @@ class EpicChunkCompiler(_SharedEngine, TransformComponent):
     Nodes pass through unchanged. Place it after the steps that set node text and metadata (splitters,
     extractors); embedding steps may come before or after. A new instance (new process) misses the
     IngestionPipeline cache for this step, so chunks are compiled (or found in the store) again there.
-    With `neighbours=k`, each node is then compiled again behind its k nearest nodes of the same batch
+    With `neighbours=k` (default 2), each node is then compiled again behind its k nearest nodes of the same batch
     (EpicEngine.refine_nearest; by the nodes' own embeddings where every node has one, so place it after the
     embedding step, else the packaged MiniLM's): links of those chunks use the refined records.
     """
 
     policy: str | None = Field(default=None, description="Compile for this link policy (default: engine's).")
     batch_size: int = Field(default=32, gt=0, description="Chunks per compile batch.")
-    neighbours: int = Field(default=0, ge=0, description="Refine each node behind its k nearest (0: off).")
+    neighbours: int = Field(default=2, ge=0, description="Refine each node behind its k nearest (0: off).")
     session: str = Field(
         default_factory=lambda: uuid.uuid4().hex,
         description="Per instance: keeps the pipeline cache from skipping compilation.",
