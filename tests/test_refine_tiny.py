@@ -53,7 +53,11 @@ def test_a_chunk_refined_behind_its_neighbour_links_exactly_where_the_neighbour_
     linked = _run(tiny_engine, "legolink-0", "refine-after")
     assert linked.chunk_keys[1] == ref.key and linked.chunk_keys[0] == plain_first.chunk_keys[0]
     assert _gap(linked, full) < SAME
-    assert tiny_engine.store.get(plain_key) is not None  # the plain record is kept (what links fall back to)
+    plain = tiny_engine.store.get(plain_key)
+    assert plain is not None  # the plain record is kept (what links fall back to)
+    # the refined record holds the chunk's KV only (its neighbours are not stored with it): the store grows by
+    # one record of the plain one's size per refined chunk
+    assert tiny_engine.store.get(ref.key).nbytes == plain.nbytes
 
 
 def test_refine_nearest_picks_the_neighbours_by_the_embeddings_given(tiny_engine):
