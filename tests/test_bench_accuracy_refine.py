@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from epic_rag.bench.accuracy import _linked_in_form, load_rows, refined_policy, row_setup
+from epic_rag.bench.accuracy import _linked_in_form, load_rows, row_setup
+from epic_rag.bench.common import refined_policy
 from epic_rag.bench.datasets import Sample
 
 

@@ -418,8 +418,15 @@ def server(tiny_engine, tmp_path_factory):
     corpus = root / "corpus"
     corpus.mkdir()
     (corpus / "stations.txt").write_text("\n\n".join(POOL))
+    # no refine pass: its compiles would keep the engine busy after a client left (what these tests check)
     cfg = DemoConfig(
-        corpus=str(corpus), data_dir=root / "data", store="memory", api_key="k", top_k=2, max_tokens_limit=1500
+        corpus=str(corpus),
+        data_dir=root / "data",
+        store="memory",
+        api_key="k",
+        top_k=2,
+        max_tokens_limit=1500,
+        refine_neighbours=0,
     )
     app = create_app(engine=tiny_engine, config=cfg, encoder=HashEncoder())
     srv = BackgroundServer(app).start()

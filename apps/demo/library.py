@@ -9,7 +9,6 @@ behind its nearest chunks by the FAISS index, which links of it use from then on
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
@@ -27,6 +26,7 @@ from epic_rag.corpus import DOC_SUFFIXES, Document, ParseLimits, chunk_document,
 from epic_rag.types import ChunkRef
 
 from .config import DemoConfig
+from .embedding_cache import EmbeddingCache
 from .uploads import (
     UploadManifest,
     check_quota,
@@ -127,8 +127,7 @@ class Library:
         # True while chats are being answered: compiling waits, so a question asked during ingestion is
         # not decoded in the same engine steps as a batch of chunk prefills.
         self.busy: Callable[[], bool] = lambda: False
-        self._emb_dir = config.data_dir / "embeddings"
-        self._emb_bytes: int | None = None  # the embedding cache's size, scanned at its first write
+        self._emb_cache = EmbeddingCache(config.data_dir, config.max_embedding_cache_bytes)
         self._upload_sizes: dict[str, int] = {}  # uploaded document -> bytes (the quotas)
         # In a corpus folder, which files were uploaded is not in the folder: it is kept here, so the quotas
         # survive a restart (a folder of uploads is all uploads). One per corpus folder.
@@ -543,17 +542,11 @@ class Library:
         """L2-normalised embeddings [N, D]; document chunks are cached under data_dir/embeddings."""
         out: list[np.ndarray | None] = [None] * len(texts)
         keys: list[str] = []
-        if progress:  # keyed by the encoder too: another encoder's vectors are never read back
-            enc = self.encoder_id.encode() + b"\0"
-            keys = [hashlib.sha256(enc + t.encode()).hexdigest()[:32] for t in texts]
         todo = list(range(len(texts)))
-        if progress:
-            todo = []
-            for i, k in enumerate(keys):
-                try:
-                    out[i] = np.load(self._emb_dir / f"{k}.npy")
-                except (OSError, ValueError):
-                    todo.append(i)
+        if progress:  # document chunks: cached (keyed by the encoder too)
+            keys = [self._emb_cache.key(self.encoder_id, t) for t in texts]
+            out = [self._emb_cache.load(k) for k in keys]
+            todo = [i for i, v in enumerate(out) if v is None]
             with self._lock:
                 self.progress.embedded += len(texts) - len(todo)
         for s in range(0, len(todo), 32):
@@ -570,7 +563,7 @@ class Library:
             for i, v in zip(part, vecs):
                 out[i] = v
                 if progress:
-                    self._save_embedding(keys[i], v)
+                    self._emb_cache.save(keys[i], v)
             if progress:
                 with self._lock:
                     self.progress.embedded += len(part)
@@ -585,24 +578,6 @@ class Library:
         from epic_rag.embeddings import encoder_id, minilm_id
 
         return minilm_id() if self._encoder is None else encoder_id(self._encoder)  # without loading it
-
-    def _save_embedding(self, key: str, vec: np.ndarray) -> None:
-        """Cache one embedding (owner-only folder and file), while the cache is under its byte budget."""
-        try:
-            if self._emb_bytes is None:
-                private_dir(self.cfg.data_dir)
-                private_dir(self._emb_dir)
-                self._emb_bytes = sum(p.stat().st_size for p in self._emb_dir.glob("*.npy"))
-            if self._emb_bytes >= self.cfg.max_embedding_cache_bytes:
-                return  # full: embeddings are computed again when needed (the cache is only a cache)
-            tmp = self._emb_dir / f".{key}.{threading.get_ident()}.npy"
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-                np.save(f, vec)
-            size = tmp.stat().st_size
-            os.replace(tmp, self._emb_dir / f"{key}.npy")
-            self._emb_bytes += size
-        except OSError as e:
-            log.debug("embedding cache write failed: %s", e)
 
     def _notify(self) -> None:
         for fn in list(self.listeners):

@@ -11,7 +11,6 @@ harness are never mixed in.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 from ..policy import parse_policy
 from ..prompt import render_request
 from ..types import RagRequest
+from .common import refined_policy
 from .datasets import Sample, multidoc_samples, needle_samples
 from .lookalike import lookalike_samples
 from .metrics import first_line, is_degenerate, name_match, rouge_l, substring_match, token_f1
@@ -105,18 +105,6 @@ def _score(s: Sample, text: str) -> dict:
 
 OLD_DTYPE = "float32"  # rows written before the dtype was recorded ran in fp32
 OLD_COMPILE = "sink1"  # rows written before the compile form was recorded linked chunks compiled this way
-
-
-def refined_policy(name: str) -> tuple[int, str]:
-    """`nbr<K>/<policy>` -> (K, policy): the policy linked over chunks refined behind their K nearest among the
-    sample's chunks (EpicEngine.refine_nearest, the packaged MiniLM); a plain policy name -> (0, name)."""
-    m = re.fullmatch(r"nbr(\d+)/(.+)", name)
-    if m is None:
-        return 0, name
-    k, base = int(m[1]), m[2]
-    if k < 1 or not parse_policy(base).links_chunks:
-        raise ValueError(f"{name!r}: nbr<K>/ takes K >= 1 and a linking policy")
-    return k, base
 
 
 def row_setup(setup: dict, task: str, policy: str, compile_variant: str) -> dict:

@@ -1,6 +1,6 @@
 """What every benchmark shares: machine facts and the command line for the record, result files
 (`<out>/<name>.json` + `<out>/<name>.md`), medians and percentiles, and the pydoc text chunks the timings
-run on."""
+run on; the name of a policy linked over refined chunks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..corpus import pydoc_documents
+from ..policy import parse_policy
 
 # ---------------------------------------------------------------------- the record
 DEFAULT_OUT = Path("docs/bench")
@@ -118,3 +120,16 @@ def corpus_chunks(tokenizer, n: int, chunk_tokens: int, offset: int = 0) -> list
     if need > len(ids):
         raise ValueError(f"corpus has {len(ids)} tokens, {need} needed")
     return [tokenizer.decode(ids[(offset + i) * chunk_tokens : (offset + i + 1) * chunk_tokens]) for i in range(n)]
+
+
+# ---------------------------------------------------------------------- refined policies
+def refined_policy(name: str) -> tuple[int, str]:
+    """`nbr<K>/<policy>` -> (K, policy): the policy linked over chunks refined behind their K nearest among the
+    sample's chunks (EpicEngine.refine_nearest, the packaged MiniLM); a plain policy name -> (0, name)."""
+    m = re.fullmatch(r"nbr(\d+)/(.+)", name)
+    if m is None:
+        return 0, name
+    k, base = int(m[1]), m[2]
+    if k < 1 or not parse_policy(base).links_chunks:
+        raise ValueError(f"{name!r}: nbr<K>/ takes K >= 1 and a linking policy")
+    return k, base

@@ -423,7 +423,7 @@ def load_plot(out: Path, load: dict) -> list[str]:
 def _meaning(name: str) -> tuple:
     """What a policy name means, so two names of one policy match."""
     from ..policy import parse_policy
-    from .accuracy import refined_policy
+    from .common import refined_policy
 
     nbr, base = refined_policy(name)
     p = parse_policy(base)
