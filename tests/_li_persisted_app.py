@@ -68,7 +68,11 @@ def build(folder: Path) -> dict[str, Any]:
     try:
         docs = [Document(text=t, id_=k) for k, t in DOCS.items()]
         index = VectorStoreIndex.from_documents(
-            docs, transformations=[SentenceSplitter(chunk_size=256), EpicChunkCompiler(engine=engine)]
+            docs,
+            transformations=[
+                SentenceSplitter(chunk_size=256),
+                EpicChunkCompiler(engine=engine, neighbours=0),
+            ],  # plain records: what a fresh process finds
         )
         index.storage_context.persist(persist_dir=str(folder / "index"))
         texts = [node_llm_text(n) for n in index.docstore.docs.values()]

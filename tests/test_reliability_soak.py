@@ -31,7 +31,15 @@ def server(smol_engine, tmp_path_factory):
     corpus.mkdir()
     for name, (text, _, _) in docs.items():
         (corpus / name).write_text(text)
-    cfg = DemoConfig(corpus=str(corpus), data_dir=root / "data", store="memory?max_bytes=1G", api_key=soak.KEY, top_k=2)
+    # the soak measures answering under load: no refine pass compiling between its requests
+    cfg = DemoConfig(
+        corpus=str(corpus),
+        data_dir=root / "data",
+        store="memory?max_bytes=1G",
+        api_key=soak.KEY,
+        top_k=2,
+        refine_neighbours=0,
+    )
     app = create_app(engine=smol_engine, config=cfg)
     srv = BackgroundServer(app).start()
     assert app.state.demo.library.wait_ready(300), app.state.demo.library.status()
