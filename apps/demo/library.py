@@ -459,15 +459,17 @@ class Library:
         return True
 
     def _refine_next_batch(self) -> bool:
-        """Refine up to compile_batch compiled chunks behind their refine_neighbours nearest chunks (the
-        FAISS index's own vectors; the nearest right before the chunk); False when none is left."""
+        """Refine compiled chunks behind their refine_neighbours nearest chunks (the FAISS index's own vectors;
+        the nearest right before the chunk), as many tokens per call as a compile batch (a chat waits for at most
+        one call); False when none is left."""
         k = self.cfg.refine_neighbours
         if k < 1 or self.busy():
             return False
         with self._lock:
             if self._index is None or self._index.ntotal < 2:
                 return False
-            batch = [c for c in self.chunks.values() if c.ref is not None and c.near is None][: self.cfg.compile_batch]
+            size = max(1, self.cfg.compile_batch // (k + 1))  # each chunk is compiled behind k others
+            batch = [c for c in self.chunks.values() if c.ref is not None and c.near is None][:size]
             if not batch:
                 return False
             row = {cid: i for i, cid in enumerate(self._ids)}

@@ -13,6 +13,8 @@ def epic_figures(plan: Plan, gen: Generation | None) -> dict:
     """The `epic` object of a response: policy, retrieval time, sources and, once answered, the linking figures."""
     out = {"policy": plan.policy, "retrieval_s": round(plan.retrieval_s, 4), "sources": plan.sources}
     if gen is not None:
+        if gen.policy != plan.policy:  # auto: the policy it ran, and the name the request gave
+            out.update(policy=gen.policy, policy_asked=plan.policy)
         out.update(
             ttft_s=round(gen.ttft_s, 4),
             total_s=round(gen.total_s, 4),
