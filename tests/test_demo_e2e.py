@@ -139,10 +139,10 @@ def test_uploaded_markup_is_shown_as_text_never_run(page, server):
     page.wait_for_function(
         "() => document.getElementById('upload-msg').textContent.includes('background')", timeout=30_000
     )
-    page.wait_for_function(
-        "() => [...document.querySelectorAll('#doc-list .doc-name')]"
-        ".some(e => e.textContent.includes('gate<i>notes<'))",
-        timeout=30_000,
+    page.wait_for_function(  # listed and indexed (searchable): the ingest thread may be refining the corpus
+        "() => [...document.querySelectorAll('#doc-list li')].some(li => li.textContent.includes('gate<i>notes<')"
+        " && !/queued|indexing/.test(li.querySelector('.doc-meta').textContent))",
+        timeout=60_000,
     )
     assert page.locator("#doc-list i").count() == 0
     page.uncheck("#retrieval")
