@@ -27,7 +27,7 @@ from .jobs import LinkRequest
 from .link.memory import gpu_memory_share, workspace_tokens
 from .ordering import order_request
 from .request import LinkFailed, RequestRun, last_generation
-from .runtime import POLL_S, STALL_S, Runtime
+from .runtime import EMPTY, POLL_S, STALL_S, Runtime, next_item
 from .stores import ChunkStores, new_glue_store, register_local, unregister_local
 
 Request = RagRequest | str | Sequence[Segment] | PreparedRequest
@@ -320,9 +320,8 @@ class EpicEngine:
         try:
             stalled = 0.0
             while not run.done:
-                try:  # the engine's health is checked while waiting, as in stream_events
-                    item = await asyncio.wait_for(q.get(), POLL_S)
-                except asyncio.TimeoutError:
+                item = await next_item(q, POLL_S)
+                if item is EMPTY:  # the engine's health is checked while waiting, as in stream_events
                     stalled += POLL_S
                     if (why := self.runtime.health()) is not None:
                         raise RuntimeError(why) from None

@@ -7,6 +7,7 @@ request's sink. Many concurrent requests are batched by vLLM's scheduler.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -25,6 +26,22 @@ log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often a waiting caller checks that the engine thread is alive
 STALL_S = 600.0  # a request with no output for this long is given up (a step hung inside vLLM)
+
+
+EMPTY = object()  # what next_item returns when nothing came within its timeout
+
+
+async def next_item(q: asyncio.Queue, timeout: float):
+    """The next item of `q`, or EMPTY after `timeout` s. A cancellation of the caller always propagates:
+    Python 3.11's `asyncio.wait_for` returns the item instead when the cancellation arrives as the item does
+    (a client leaving a fast token stream), and the request ran on to its end."""
+    getter = asyncio.ensure_future(q.get())
+    try:
+        done, _ = await asyncio.wait({getter}, timeout=timeout)
+    finally:
+        if not getter.done():
+            getter.cancel()  # Queue.get leaves the item queued when cancelled
+    return getter.result() if done else EMPTY
 
 
 @dataclass
