@@ -39,6 +39,7 @@ TRACE_OPTIONS = {
     "--trace-chunks": ("chunks", int, "corpus chunks, embedded and compiled"),
     "--zipf": ("zipf_s", float, "Zipf exponent of topic popularity, 0: uniform"),
     "--follow-share": ("follow_share", float, "share of requests that are follow-up turns"),
+    "--refine-neighbours": ("refine_neighbours", int, "each retrieved chunk refined behind this many nearest, 0: none"),
     "--scored": ("scored", int, "conversations answered by every policy and compared with full's answers"),
     "--followups": ("followups", int, "two-turn conversations of the follow-up TTFT measurement"),
 }
@@ -329,8 +330,8 @@ def trace_settings(args: argparse.Namespace) -> TraceSettings:
         raise SystemExit("--trace-chunks must be positive and --chunk-tokens at least 16")
     if not 0.0 <= given.get("follow_share", 0.0) <= 1.0 or given.get("zipf_s", 0.0) < 0:
         raise SystemExit("--follow-share must be in [0, 1] and --zipf at least 0")
-    if given.get("scored", 0) < 0 or given.get("followups", 0) < 0:
-        raise SystemExit("--scored and --followups must be at least 0")
+    if given.get("scored", 0) < 0 or given.get("followups", 0) < 0 or given.get("refine_neighbours", 0) < 0:
+        raise SystemExit("--scored, --followups and --refine-neighbours must be at least 0")
     s = dataclasses.replace(base, **_sweep_options(args), **given)
     try:
         parse_policy(args.accurate_policy)

@@ -395,6 +395,7 @@ async def _one(engine, policy: str, out: Outgoing, at: float, start: float, outp
         "recomputed": gen.recomputed_tokens,
         "chunk_hits": gen.chunk_hits,
         "chunk_misses": gen.chunk_misses,
+        "ran": gen.policy,  # what `auto` picked
     }
 
 

@@ -34,7 +34,7 @@ from ..prompt import DEFAULT_INSTRUCTION
 from .load import SweepSettings
 from .pydocqa import DocFunction, open_question
 
-ACCURATE_POLICY = "query-20"  # the accurate policy's default (the engine's default may change)
+ACCURATE_POLICY = "auto"  # the engine's default: legolink-16 where every chunk is refined, else query-20
 FAST_POLICY = "legolink-16"
 # Generic follow-ups, asked once a topic's own questions are used up.
 FOLLOW_UPS = (
@@ -53,6 +53,9 @@ class TraceSettings(SweepSettings):
     max_minutes: float = 6.0
     chunks: int = 300
     chunk_tokens: int = 256  # as the demo cuts its corpus
+    # as the demo does: every chunk the trace retrieves refined behind its nearest corpus chunks by the trace's
+    # own FAISS index (EpicEngine.refine), after the plain compile and before any policy runs; 0: plain records
+    refine_neighbours: int = 2
     zipf_s: float = 1.0  # topic popularity: rank r drawn with probability ~ 1 / r**zipf_s
     k_min: int = 4  # retrieved chunks per conversation, uniform in [k_min, k_max]
     k_max: int = 8

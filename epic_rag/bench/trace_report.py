@@ -83,7 +83,7 @@ def _agreement_md(data: dict) -> list[str]:
     if not rows:
         return ["(full was not run: no agreement to measure)"]
     return table(
-        ["policy", "answers", "first line = full's", "token F1 vs full", "prompt tokens from the prefix cache"],
+        ["policy", "answers", "first line = full's", "token F1 vs full", "prompt tokens from the prefix cache", "ran"],
         [
             [
                 r["policy"],
@@ -91,6 +91,7 @@ def _agreement_md(data: dict) -> list[str]:
                 _num(r["first_line_match"], ".1f", suffix=" %"),
                 _num(r["token_f1"], ".1f"),
                 r["prefix_cached_tokens"],
+                ", ".join(f"{p} {n}" for p, n in sorted((r.get("ran") or {}).items())),  # auto's picks
             ]
             for r in rows
         ],
@@ -129,6 +130,16 @@ def _followups_md(f: dict) -> list[str]:
     )
 
 
+def _refined(data: dict) -> str:
+    r = data.get("refine") or {}
+    if not r.get("chunks"):
+        return ""
+    return (
+        f"; the {r['chunks']} chunks the trace retrieves then refined behind their {r['neighbours']} nearest "
+        f"(neighbour-aware compile) in {r['seconds']:.1f} s, {r['seconds'] / r['chunks']:.2f} s a chunk"
+    )
+
+
 def trace_markdown(data: dict, plot: str | None) -> str:
     """trace.md: targets, summary, hit rates over time, agreement, follow-ups and every step, with the
     command, model, dtype and machine."""
@@ -141,7 +152,7 @@ def trace_markdown(data: dict, plot: str | None) -> str:
         f"Command: `{data['command']}`  ",
         f"Machine: {mc['cpu']}, {mc['cores']} cores; date {mc['date']}; commit {mc['commit']}; dtype {data['dtype']}  ",
         f"Run time: {data['total_s'] / 60:.1f} min (corpus embedded and trace built in {data['workload_s']:.1f} s; "
-        f"{tr['chunks']} chunks compiled up front in {data['compile_s']:.1f} s, not in any TTFT)",
+        f"{tr['chunks']} chunks compiled up front in {data['compile_s']:.1f} s{_refined(data)}, not in any TTFT)",
         "",
         f"Trace (digest {tr['digest']}): {tr['chunks']} pydoc chunks of up to {s['chunk_tokens']} tokens embedded "
         "with MiniLM into a FAISS index; a new conversation's topic chunk drawn with Zipf popularity "
@@ -162,7 +173,7 @@ def trace_markdown(data: dict, plot: str | None) -> str:
         "prefix cache / prompt tokens; store hit rate: chunks found compiled / chunks linked (n/a: the policy "
         f"links nothing); over windows of {s['hit_window_s']:g} s of each policy's run (by arrival).",
         "",
-        "## Targets (issue 31)",
+        "## Targets",
         "",
         *table(
             ["target", "measured", "met", "note"],
