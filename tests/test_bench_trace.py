@@ -342,6 +342,11 @@ def test_the_targets_are_met_or_missed_on_the_measured_figures():
     assert [t["met"] for t in missed] == [False, False, False, False, False]
     assert "query-20's sweep ended by cap" in missed[0]["note"] and missed[2]["measured"] == 50.0
     assert missed[3]["measured"] == pytest.approx(30.0)
+    # prefix's sweep cut before saturation: its req/s is a floor, so a ratio over the target decides nothing
+    prefix_cut = _summary(1.0, 0.4, 1.0, 2.5)
+    prefix_cut[0]["ended_by"] = "cap"
+    cut = R.targets(prefix_cut, _per([0.2, 0.5, 0.5, 0.5]), agree, follow, "query-20")
+    assert cut[0]["met"] is None and "prefix's sweep ended by cap" in cut[0]["note"]
     undecided = R.targets([], {}, {"rows": []}, {}, "query-20")
     assert [t["met"] for t in undecided] == [None] * 5
 
