@@ -48,3 +48,13 @@ def _version(dist: str) -> str:
         return version(dist)
     except PackageNotFoundError:
         return "unknown"
+
+
+def index_neighbours(index, rows: list[int], k: int) -> list[list[int]]:
+    """Each of `rows`' k nearest other rows of a FAISS-style vector index (its own stored vectors, searched
+    again), in prompt order for EpicEngine.refine: the nearest last, right before the chunk."""
+    import numpy as np
+
+    vecs = np.stack([index.reconstruct(int(r)) for r in rows])  # [R, E]
+    _, found = index.search(vecs, min(k + 1, index.ntotal))  # [R, k+1], nearest first
+    return [[int(j) for j in top if j >= 0 and j != r][:k][::-1] for r, top in zip(rows, found)]

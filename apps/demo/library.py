@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from epic_rag.corpus import DOC_SUFFIXES, Document, ParseLimits, chunk_document, pydoc_documents, read_document
+from epic_rag.embeddings import index_neighbours
 from epic_rag.types import ChunkRef
 
 from .config import DemoConfig
@@ -473,11 +474,8 @@ class Library:
             if not batch:
                 return False
             row = {cid: i for i, cid in enumerate(self._ids)}
-            vecs = np.stack([self._index.reconstruct(row[c.id]) for c in batch])  # [B, E]
-            _, found = self._index.search(vecs, min(k + 1, self._index.ntotal))
             near = [
-                tuple(self._ids[r] for r in rows if r >= 0 and self._ids[r] != c.id)[:k][::-1]
-                for c, rows in zip(batch, found)
+                tuple(self._ids[j] for j in ns) for ns in index_neighbours(self._index, [row[c.id] for c in batch], k)
             ]
             texts = [[self.chunks[i].text for i in ids] for ids in near]
             self.progress.state = "ready"  # every chunk is compiled: refining only improves links

@@ -404,13 +404,11 @@ def refine_retrieved(engine, retriever, trace: Sequence[TraceRequest], k: int) -
     no request links are left plain (they would never be linked). Returns how many were refined."""
     if k < 1:
         return 0
-    import numpy as np
+    from ..embeddings import index_neighbours
 
     texts = retriever.texts
     used = sorted({c for r in trace for c in r.chunks})
-    emb = retriever.index.reconstruct_n(0, retriever.index.ntotal)  # [N, E], normalised
-    _, top = retriever.index.search(np.asarray(emb[used]), min(k + 1, len(texts)))  # [U, k+1], nearest first
-    near = [[j for j in row if j != i and j >= 0][:k][::-1] for i, row in zip(used, top)]
+    near = index_neighbours(retriever.index, used, k)
     engine.refine([texts[i] for i in used], [[texts[j] for j in ns] for ns in near])
     return len(used)
 
