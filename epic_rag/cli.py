@@ -89,6 +89,7 @@ def _ask(args: argparse.Namespace, held: list) -> None:
         print(
             f"  policy={gen.policy} ttft={gen.ttft_s:.3f}s prompt={gen.prompt_tokens} linked={gen.linked_tokens} "
             f"recomputed={gen.recomputed_tokens} chunk_hits={gen.chunk_hits} chunk_misses={gen.chunk_misses}"
+            + (f" escalated={gen.escalated}" if gen.escalated else "")
         )
     print("sources: " + ", ".join(f"{c.doc}#{c.index}" for c in picked))
 

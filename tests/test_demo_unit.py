@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from epic_rag import EngineConfig
+from epic_rag.engine import guard
 from epic_rag.store import MemoryStore
 from epic_rag.types import ChunkRef, Delta, Generation, RagRequest
 from epic_rag_demo.background import BackgroundServer
@@ -121,6 +122,10 @@ class FakeEngine:
         finally:
             self.active -= 1
         n_chunks = len(request.chunks) if isinstance(request, RagRequest) else 0
+        escalated = None
+        if policy == "auto" and isinstance(request, RagRequest):  # auto's own guard over the retrieved texts
+            texts = [(c.text or "") if isinstance(c, ChunkRef) else c for c in request.chunks]
+            escalated = guard.check(request.question, texts).reason
         yield Generation(
             text=" ".join(f"w{i}" for i in ids),
             token_ids=ids,
@@ -131,8 +136,9 @@ class FakeEngine:
             recomputed_tokens=20,
             chunk_hits=n_chunks,
             chunk_misses=0,
-            policy=policy or "legolink-16",
+            policy="full" if escalated else policy or "legolink-16",
             finish_reason="length",
+            escalated=escalated,
         )
 
 
@@ -387,6 +393,22 @@ def test_upload_list_and_delete_documents(demo):
     j = _chat(client, messages=[{"role": "user", "content": "Which day is the Tovin market?"}], top_k=3).json()
     assert all(s["doc"] != "tovin.txt" for s in j["epic"]["sources"])
     assert client.delete("/api/documents/tovin.txt").status_code == 404
+
+
+def test_an_escalated_auto_request_reports_why_in_its_figures_and_metrics(demo):
+    _, client, _, app, _ = demo
+    for name, text in (
+        ("gland.txt", "Part HT-8957-B (cable gland) costs $923.88."),
+        ("bolt.txt", "Part HT-8975-B (hex bolt) costs $547.37."),
+    ):
+        assert client.post("/api/documents", files={"file": (name, text.encode())}).status_code == 202
+    assert app.state.demo.library.wait_ready(30)
+    ask = [{"role": "user", "content": "What does part HT-8957-B cost?"}]
+    e = _chat(client, messages=ask, top_k=4, policy="auto").json()["epic"]
+    assert {"gland.txt", "bolt.txt"} <= {s["doc"] for s in e["sources"]}
+    assert e["escalated"] == "lookalike-keys" and e["policy"] == "full" and e["policy_asked"] == "auto"
+    assert "escalated" not in _chat(client, top_k=1, policy="auto").json()["epic"]  # linked: nothing to say
+    assert 'epic_rag_escalated_requests_total{reason="lookalike-keys"} 1.0' in client.get("/metrics").text
 
 
 @pytest.mark.parametrize(

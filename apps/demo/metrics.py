@@ -109,6 +109,12 @@ class DemoMetrics:
             ["ran"],
             registry=r,
         )
+        self.escalated = Counter(
+            "epic_rag_escalated_requests",
+            "requests under policy auto that its guard ran as a full prefill, by reason (engine/guard.py)",
+            ["reason"],
+            registry=r,
+        )
         self.inflight = Gauge("epic_rag_inflight_requests", "chat completions in progress", registry=r)
         r.register(_StoreCollector(get_engine, library))
 
@@ -121,6 +127,8 @@ class DemoMetrics:
         self.chat.labels(p, str(stream).lower(), "ok").inc()
         if asked == "auto":
             self.auto.labels(p).inc()
+        if gen.escalated:
+            self.escalated.labels(gen.escalated).inc()
         self.ttft.labels(p).observe(gen.ttft_s)
         self.prompt_tokens.labels(p).inc(gen.prompt_tokens)
         self.linked_tokens.labels(p).inc(gen.linked_tokens)

@@ -15,6 +15,8 @@ def epic_figures(plan: Plan, gen: Generation | None) -> dict:
     if gen is not None:
         if gen.policy != plan.policy:  # auto: the policy it ran, and the name the request gave
             out.update(policy=gen.policy, policy_asked=plan.policy)
+        if gen.escalated:  # auto's guard ran it as a full prefill (engine/guard.py)
+            out["escalated"] = gen.escalated
         out.update(
             ttft_s=round(gen.ttft_s, 4),
             total_s=round(gen.total_s, 4),

@@ -174,7 +174,7 @@ def run_accuracy(
                 continue
             engine.compile(list(s.chunks))  # outside the timed generations, as a corpus would be
             segs = sample_segments(engine.tokenizer, s)
-            for p, refine_s in _linked_in_form(engine, s, pols):
+            for p, refine_s in _linked_in_form(engine, s, pols, segs):
                 base = refined_policy(p)[1]
                 g = engine.generate(segs, max_tokens=setup[s.task]["max_tokens"], temperature=0.0, policy=base)
                 r = {
@@ -195,6 +195,8 @@ def run_accuracy(
                 }
                 if refine_s is not None:  # what the refine pass cost this sample (once, at compile time)
                     r["refine_s"] = refine_s
+                if parse_policy(base).kind == "auto":  # what it ran, and why where its guard escalated
+                    r |= {"ran": g.policy, "escalated": g.escalated}
                 f.write(json.dumps(r) + "\n")
                 f.flush()
                 rows.append(r)
@@ -204,10 +206,11 @@ def run_accuracy(
     return [r for r in rows if r["id"] in ids and r["policy"] in policies]
 
 
-def _linked_in_form(engine, s: Sample, pols: list[str]):
+def _linked_in_form(engine, s: Sample, pols: list[str], segs):
     """(policy, refine seconds or None) in the order to run them: plain policies over the plain records first,
     then per K the `nbr<K>/` ones, with the sample's chunks refined behind their K nearest (timed) and linked
-    plain again afterwards, so no other row ever links a refined record."""
+    plain again afterwards, so no other row ever links a refined record. A group of `auto` policies whose guard
+    escalates this sample links nothing, refined or not: it runs without the refine."""
     import time
 
     by_k: dict[int, list[str]] = defaultdict(list)
@@ -217,6 +220,10 @@ def _linked_in_form(engine, s: Sample, pols: list[str]):
         yield p, None
     chunks = list(s.chunks)
     for k, group in sorted(by_k.items()):
+        bases = {refined_policy(p)[1] for p in group}
+        if all(parse_policy(b).kind == "auto" for b in bases) and engine.prepare(segs, policy="auto").escalated:
+            yield from ((p, None) for p in group)
+            continue
         t0 = time.perf_counter()
         if len(chunks) > 1:
             engine.refine_nearest(chunks, k=min(k, len(chunks) - 1))
@@ -332,6 +339,32 @@ def refine_seconds(rows: list[dict]) -> dict:
     return {f"{t}/{p}": round(statistics.median(v), 3) for (t, p), v in sorted(by.items())}
 
 
+def escalations(rows: list[dict]) -> list[dict]:
+    """Per task and `auto` policy (rows that record `escalated`): the share its guard escalated, and the median
+    ratio of its TTFT to full's on the same sample, apart for the requests it linked and those it escalated."""
+    full = {r["id"]: r["ttft_s"] for r in rows if r["policy"] == REFERENCE}
+    by = defaultdict(list)
+    for r in rows:
+        if "escalated" in r:
+            by[(r["task"], r["policy"])].append(r)
+    out = []
+    for (task, policy), rs in sorted(by.items(), key=lambda kv: (TASKS.index(kv[0][0]), kv[0][1])):
+        row = {
+            "task": task,
+            "policy": policy,
+            "n": len(rs),
+            "escalated": 100 * sum(bool(r["escalated"]) for r in rs) / len(rs),
+        }
+        for name, group in (
+            ("linked", [r for r in rs if not r["escalated"]]),
+            ("escalated", [r for r in rs if r["escalated"]]),
+        ):
+            ratios = [r["ttft_s"] / full[r["id"]] for r in group if full.get(r["id"])]
+            row[f"{name}_ttft_vs_full"] = statistics.median(ratios) if ratios else None
+        out.append(row)
+    return out
+
+
 def gen_seconds(rows: list[dict]) -> dict:
     """Median seconds per generation by task and policy (what a full run costs per sample and policy)."""
     by = defaultdict(list)
@@ -385,6 +418,7 @@ def run(
         "stats": {"ci": "95% Wilson (rates), 95% paired bootstrap, 10k resamples, seed 0 (differences, means)"},
         "gen_seconds_median": gen_seconds(rows),
         "refine_seconds_median": refine_seconds(rows),
+        "escalations": escalations(rows),
         **summarize(rows, policies),
     }
     save_json(out, "accuracy", data)

@@ -155,6 +155,31 @@ def accuracy_markdown(acc: dict, plot: str | None) -> str:
         pols = [p for p in acc["policies"] if p.startswith("nbr")]
         md += table(["policy", *tasks], [[p, *(refine.get(f"{t}/{p}", "") for t in tasks)] for p in pols])
         md += [""]
+    esc = acc.get("escalations", [])
+    if esc:
+        md += [
+            "## Policy `auto`: what its guard escalated",
+            "",
+            "Share of each family's requests that `auto`'s look-alike guard ran as a full prefill (the question's "
+            "key has a near twin in another linked chunk), and the median ratio of TTFT to full's on the same "
+            "sample, for the requests it linked and for those it escalated:",
+            "",
+        ]
+        md += table(
+            ["task", "policy", "n", "escalated %", "TTFT / full's, linked", "TTFT / full's, escalated"],
+            [
+                [
+                    e["task"],
+                    e["policy"],
+                    e["n"],
+                    f"{e['escalated']:.1f}",
+                    _num(e["linked_ttft_vs_full"], ".2f"),
+                    _num(e["escalated_ttft_vs_full"], ".2f"),
+                ]
+                for e in esc
+            ],
+        )
+        md += [""]
     if plot:
         md += [f"![accuracy per policy]({plot})", ""]
     return "\n".join(md) + "\n"

@@ -14,13 +14,13 @@ from ..config import EngineConfig
 from ..keys import kv_fingerprint, record_key
 from ..matching import ChunkTextIndex
 from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
-from ..policy import AUTO_PLAIN, AUTO_REFINED, SINK_LEN, parse_policy
+from ..policy import AUTO_ESCALATED, AUTO_PLAIN, AUTO_REFINED, SINK_LEN, parse_policy
 from ..prompt import assemble, compile_lead, compile_lead_behind, encode_glue, render_messages, to_segments
 from ..sampling import check_sampling_options
 from ..store import ChunkKV, ChunkStore, open_shared_tiers, open_store
 from ..store.checked import KeyCheckedStore
 from ..types import ChunkRef, Delta, Generation, PreparedRequest, RagRequest, Sampling, Segment
-from . import vllm_api
+from . import guard, vllm_api
 from .chunks import ChunkResolver
 from .connector.tenancy import shared_salt, unique_salt
 from .jobs import LinkRequest
@@ -220,9 +220,17 @@ class EpicEngine:
         prompt = assemble(
             segments, lambda s: encode_glue(self.tokenizer, s), self.chunks.place, self.max_model_len, sink
         )
-        if pol.kind == "auto":  # both choices drop the sink: the prompt assembled above is theirs
-            refined = bool(prompt.chunks) and all(self.chunks.is_refined(c.token_ids) for c in prompt.chunks)
-            pol = parse_policy(AUTO_REFINED if refined else AUTO_PLAIN)
+        escalated = None
+        if pol.kind == "auto":  # every choice drops the sink: the prompt assembled above is theirs
+            question = guard.question_text(request, segments)
+            verdict = guard.check(question, [self.tokenizer.decode(c.token_ids) for c in prompt.chunks])
+            if verdict.escalate:
+                escalated = verdict.reason
+                log.info("auto: escalated to %s (%s: %s)", AUTO_ESCALATED, escalated, guard.describe(verdict))
+                pol = parse_policy(AUTO_ESCALATED)
+            else:
+                refined = bool(prompt.chunks) and all(self.chunks.is_refined(c.token_ids) for c in prompt.chunks)
+                pol = parse_policy(AUTO_REFINED if refined else AUTO_PLAIN)
         return PreparedRequest(
             prompt.token_ids,
             prompt.chunks,
@@ -232,6 +240,7 @@ class EpicEngine:
             [stop] if isinstance(stop, str) else stop,
             options,
             chunk_order,
+            escalated,
         )
 
     # ------------------------------------------------------------------ generation

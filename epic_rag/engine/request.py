@@ -138,4 +138,5 @@ class RequestRun:
             prefix_cached_tokens=self.prefix_hit if link is not None else (self.cached or 0),
             logprobs=self.logprobs,
             chunk_order=self.prep.chunk_order,
+            escalated=self.prep.escalated,
         )

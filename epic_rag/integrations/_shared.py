@@ -32,6 +32,7 @@ STAT_KEYS = (
     "chunk_hits",
     "chunk_misses",
     "policy",
+    "escalated",
 )
 
 
