@@ -39,7 +39,8 @@ def test_keys_are_codes_versions_identifiers_and_names_not_sentence_starts():
         ("None", "one", False),
         ("Novak", "novak", False),  # case only
         ("option_string", "option_strings", False),  # an inflection of one part
-        ("D.items", "F.items", False),  # one-letter parts
+        ("archive_ledger", "validate_ledger", True),  # the same name on another owner
+        ("D.items", "D.keys", False),  # a sibling
     ],
 )
 def test_lookalike_is_one_part_changed_or_a_short_edit(key, word, twin):

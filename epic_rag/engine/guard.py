@@ -12,7 +12,8 @@ codes, versions, identifiers, dotted names), or it is capitalised other than at 
 quotation or a line (names). A look-alike of a key is another word of the chunks that
 - for a key of three or more `-_.`-separated parts, differs in exactly one part (HT-8957-B / HT-8975-B,
   1.13.0 / 1.14.0, sync_report_v2 / fetch_report_v2);
-- for a two-part key, differs in one part by a near edit (AX-4521 / AX-4512; os.path / os.stat are siblings);
+- for a two-part key, differs in its first part (archive_ledger / validate_ledger: the same name on another
+  owner), or in its last part by a near edit (AX-4521 / AX-4512; os.path / os.stat are siblings);
 - for a one-part key of 5+ characters, is a near edit of it with the same capital (Lindqvist / Linddvist).
 A near edit: at most max(1, min(2, len // 4)) edits (Damerau-Levenshtein) between words of 2+ characters; an
 inflection such as a plural (option_string / option_strings) never counts. The request is escalated when a key
@@ -83,10 +84,14 @@ def is_lookalike(key: str, word: str) -> bool:
         return False
     if len(a) == 1:  # a name: a twin keeps its capital (None / one is no twin) and has 5+ characters
         return len(key) >= 5 and key[0].isupper() == word[0].isupper() and _near(key, word)
-    changed = [(x, y) for x, y in zip(a, b) if x != y]
-    # a two-part name with another last part is a sibling (os.path / os.stat, random.seed / random.shuffle):
-    # a twin only where the changed part is itself a near edit; with three parts or more any one part may change
-    return len(changed) == 1 and (len(a) >= 3 or _near(*changed[0]))
+    changed = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    # a two-part name with another last part is a sibling (os.path / os.stat, random.seed / random.shuffle): a
+    # twin only where that part is a near edit; the same last part on another owner is one (archive_ledger /
+    # validate_ledger), and with three parts or more any one part may change
+    if len(changed) != 1:
+        return False
+    i = changed[0]
+    return len(a) >= 3 or i < len(a) - 1 or _near(a[i], b[i])
 
 
 def _near(a: str, b: str) -> bool:
