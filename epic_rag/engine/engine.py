@@ -223,7 +223,7 @@ class EpicEngine:
         escalated = None
         if pol.kind == "auto":  # every choice drops the sink: the prompt assembled above is theirs
             question = guard.question_text(request, segments)
-            verdict = guard.check(question, [self.tokenizer.decode(c.token_ids) for c in prompt.chunks])
+            verdict = guard.check(question, (self.tokenizer.decode(c.token_ids) for c in prompt.chunks))
             if verdict.escalate:
                 escalated = verdict.reason
                 log.info("auto: escalated to %s (%s: %s)", AUTO_ESCALATED, escalated, guard.describe(verdict))

@@ -24,7 +24,7 @@ compiled together, and saw each other).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from rapidfuzz.distance import DamerauLevenshtein
@@ -107,18 +107,19 @@ def _inflection(a: str, b: str) -> bool:
     return long.startswith(short) and long[len(short) :] in INFLECTIONS
 
 
-def check(question: str, chunks: Sequence[str]) -> Verdict:
-    """The guard's verdict for a question over the linked chunks' texts (in prompt order)."""
+def check(question: str, chunks: Iterable[str]) -> Verdict:
+    """The guard's verdict for a question over the linked chunks' texts (in prompt order). `chunks` is read only
+    when the question has a key: a generator spares the texts' making (decoding) for the requests without one."""
     keys = question_keys(question)
-    if not keys or len(chunks) < 2:
+    if not keys:
         return Verdict(None)
     words = [set(WORD.findall(c)) for c in chunks]
     twins: list[Twin] = []
     for key in sorted(keys):
         held = {i for i, ws in enumerate(words) if key in ws}
-        near = [Twin(key, w, i) for i, ws in enumerate(words) for w in sorted(ws) if is_lookalike(key, w)]
+        near = [Twin(key, w, i) for i, ws in enumerate(words) for w in ws if is_lookalike(key, w)]
         if near and len(held | {t.chunk for t in near}) >= 2:
-            twins += near
+            twins += sorted(near, key=lambda t: (t.chunk, t.lookalike))
     return Verdict(REASON if twins else None, tuple(twins))
 
 
