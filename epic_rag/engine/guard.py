@@ -65,11 +65,14 @@ class Verdict:
 
     @property
     def recompute_from(self) -> int | None:
-        """The first chunk to recompute whole: the one after the first chunk holding the key (after the first
-        holding a look-alike, where none holds the key itself); None when the guard does not escalate."""
+        """The first chunk to recompute whole: the one after the asked record's, taken as the first chunk that
+        holds a key and no look-alike (a chunk holding `search-api` at another version holds a look-alike
+        record); where every one holding a key holds a look-alike too, after the first holding either. None
+        when the guard does not escalate."""
         if not self.escalate:
             return None
-        return min(self.homes or [t.chunk for t in self.twins]) + 1
+        near = {t.chunk for t in self.twins}
+        return min([i for i in self.homes if i not in near] or set(self.homes) | near) + 1
 
 
 def question_keys(question: str) -> set[str]:
