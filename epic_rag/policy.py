@@ -43,8 +43,9 @@ FAST_POLICY = "legolink-16"
 # does at a fraction of query-20's TTFT; over chunks compiled alone query-20 is the closest to full.
 AUTO_POLICY = "auto"
 AUTO_REFINED, AUTO_PLAIN = FAST_POLICY, "query-20"
-# Where its look-alike guard (engine/guard.py) finds the question's key and a near twin of it in two linked
-# chunks, where every link loses to full, the chunks after the key's own are recomputed whole, in context.
+# ... and where its look-alike guard (engine/guard.py) finds the question's key and a near twin of it in two
+# linked chunks, where every link loses to full, a full prefill.
+AUTO_ESCALATED = "full"
 # The engine's (and so the integrations' and the demo's) default.
 DEFAULT_POLICY = AUTO_POLICY
 

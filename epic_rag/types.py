@@ -110,7 +110,7 @@ class PreparedRequest:
     stop: list[str] | None = None
     options: dict[str, Any] = field(default_factory=dict)  # the further Sampling options, checked
     chunk_order: list[int] | None = None  # a reordered RagRequest: its chunks' indices in prompt order
-    escalated: str | None = None  # `auto` recomputed the chunks after the asked one's, and why (engine/guard.py)
+    escalated: str | None = None  # `auto` ran it past a link, and why (engine/guard.py)
 
 
 # One generated token's log-probability: {"token_id", "token", "logprob", "top_logprobs": [{"token_id",
@@ -168,9 +168,8 @@ class Generation:
         logprobs: one TokenLogprob per generated token, when `logprobs` was requested.
         chunk_order: for a RagRequest run with `order="relevance"`, the indices of its chunks in the order they
             were placed (the last one nearest the question); None when the order was the given one.
-        escalated: why policy `auto` recomputed the chunks after the asked record's whole rather than link them
-            ("lookalike-keys": the question's key has a near twin in another chunk, see engine/guard.py); None
-            when it linked every chunk.
+        escalated: why policy `auto` ran this request as `policy` rather than a link ("lookalike-keys": the
+            question's key has a near twin in another linked chunk, see engine/guard.py); None when it linked.
     """
 
     text: str

@@ -1,4 +1,6 @@
-"""Dev-split screen: what `auto` should recompute when its guard escalates a look-alike lookup (not shipped).
+"""Dev-split screen: what `auto` could recompute instead of a full prefill when its guard escalates a look-alike
+lookup (not shipped: the best dev variant, after-home, lost to no recompute at all on the test split;
+docs/bench/qwen-escalate/README.md).
 
 Per look-alike sample (dev split) that the guard escalates: `full` once, then the same prompt linked under
 legolink-16 with a set of chunks recomputed whole, in context (given as plain prompt text), each row one variant:
@@ -7,8 +9,8 @@ legolink-16 with a set of chunks recomputed whole, in context (given as plain pr
 - nbr2/inv: refined; the key's and the look-alikes' chunks recomputed;
 - nbr2/later: refined; those chunks but the first of them;
 - nbr2/from-first: refined; every chunk from the first of them on;
-- nbr2/after-home: refined; the chunks after the first one holding the key (none holding it: after the first
-  holding a look-alike): what `auto` now does (Verdict.recompute_from).
+- nbr2/after-home: refined; the chunks after the asked record's (taken as the first chunk holding a key and no
+  look-alike), the dev oracle's best partial set (docs/bench/qwen-frontier/lookalike-dev.md).
 Greedy, 24 tokens, scored by substring, TTFT per row (every request its own cache salt; an exact head, the
 template and the chunks before the first linked one, may be reused from the glue store across variants, so the
 later variants' TTFT can be lower than a cold request's). Rows: docs/bench/qwen-escalate/dev/screen.jsonl.
@@ -33,16 +35,29 @@ from epic_rag.engine import guard
 from epic_rag.policy import parse_policy
 
 
-def variants(v: guard.Verdict, n: int) -> list[tuple[str, set[int]]]:
-    """(name, chunks recomputed whole) of each refined variant, for a sample of n chunks."""
-    inv = set(v.homes) | {t.chunk for t in v.twins}
+def homes(v: guard.Verdict, texts: list[str]) -> set[int]:
+    """The chunks holding a question key that has look-alikes."""
+    keys = {t.key for t in v.twins}
+    return {i for i, c in enumerate(texts) if keys & set(guard.WORD.findall(c))}
+
+
+def after_home(v: guard.Verdict, texts: list[str]) -> int:
+    """The chunk after the asked record's, taken as the first holding a key and no look-alike (else the first
+    holding either): where the after-home variant starts recomputing."""
+    held, near = homes(v, texts), {t.chunk for t in v.twins}
+    return min([i for i in held if i not in near] or held | near) + 1
+
+
+def variants(v: guard.Verdict, texts: list[str]) -> list[tuple[str, set[int]]]:
+    """(name, chunks recomputed whole) of each refined variant."""
+    n, inv = len(texts), homes(v, texts) | {t.chunk for t in v.twins}
     first = min(inv)
     return [
         ("nbr2/none", set()),
         ("nbr2/inv", inv),
         ("nbr2/later", inv - {first}),
         ("nbr2/from-first", set(range(first, n))),
-        ("nbr2/after-home", set(range(v.recompute_from, n))),
+        ("nbr2/after-home", set(range(after_home(v, texts), n))),
     ]
 
 
@@ -92,14 +107,15 @@ def main() -> None:
             segs, chunks = sample_segments(tok, s), list(s.chunks)
             eng.compile(chunks)
             prep = eng.prepare(segs, policy="legolink-16", max_tokens=24)
-            v = guard.check(s.question, (tok.decode(c.token_ids) for c in prep.chunks))
+            texts = [tok.decode(c.token_ids) for c in prep.chunks]
+            v = guard.check(s.question, texts)
             run(eng, dataclasses.replace(prep, policy=parse_policy("full"), chunks=[]), set(), "full", s, out)
             if not v.escalate:
                 continue
-            run(eng, prep, set(v.homes) | {t.chunk for t in v.twins}, "plain/inv", s, out)
+            run(eng, prep, homes(v, texts) | {t.chunk for t in v.twins}, "plain/inv", s, out)
             eng.refine_nearest(chunks, k=2)
             try:
-                for name, drop in variants(v, len(prep.chunks)):
+                for name, drop in variants(v, texts):
                     run(eng, prep, drop, name, s, out)
             finally:
                 eng.unrefine(chunks)

@@ -5,6 +5,7 @@ refines (timed) and links plain again afterwards, so no other row ever links a r
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -45,12 +46,15 @@ class RefineRecorder:
     def unrefine(self, chunks):
         self.calls.append(("unrefine", tuple(chunks)))
 
+    def prepare(self, segs, policy=None):  # auto's guard escalates the prompts marked "twin"
+        return SimpleNamespace(escalated="lookalike-keys" if "twin" in segs else None)
+
 
 def test_plain_policies_run_first_then_each_k_refined_and_unrefined_after():
     eng = RefineRecorder()
     s = Sample("x", "lookalike", ["c0", "c1", "c2"], "q?", "a")
     order = []
-    for p, took in _linked_in_form(eng, s, ["nbr5/naive", "full", "nbr1/legolink-16", "naive", "nbr5/query-20"]):
+    for p, took in _linked_in_form(eng, s, ["nbr5/naive", "full", "nbr1/legolink-16", "naive", "nbr5/query-20"], []):
         order.append((p, took is not None, [c[0] for c in eng.calls]))
     assert [o[0] for o in order] == ["full", "naive", "nbr1/legolink-16", "nbr5/naive", "nbr5/query-20"]
     assert [o[2] for o in order[:2]] == [[], []]  # nothing refined while the plain policies run
@@ -66,10 +70,22 @@ def test_plain_policies_run_first_then_each_k_refined_and_unrefined_after():
 def test_a_one_chunk_sample_is_not_refined_and_a_failed_generation_still_unrefines():
     eng = RefineRecorder()
     one = Sample("y", "docsqa", ["only"], "q?", "a")
-    assert [p for p, _ in _linked_in_form(eng, one, ["nbr2/naive"])] == ["nbr2/naive"]
+    assert [p for p, _ in _linked_in_form(eng, one, ["nbr2/naive"], [])] == ["nbr2/naive"]
     assert eng.calls == [("unrefine", ("only",))]
     eng.calls.clear()
-    gen = _linked_in_form(eng, Sample("z", "docsqa", ["a", "b"], "q?", "a"), ["nbr2/naive"])
+    gen = _linked_in_form(eng, Sample("z", "docsqa", ["a", "b"], "q?", "a"), ["nbr2/naive"], [])
     next(gen)
     gen.close()  # the generation raised: the loop ends, the chunks are linked plain again
     assert eng.calls[-1] == ("unrefine", ("a", "b"))
+
+
+def test_an_auto_group_its_guard_escalates_runs_without_the_refine_it_would_not_use():
+    eng = RefineRecorder()
+    s = Sample("w", "lookalike", ["c0", "c1"], "q?", "a")
+    assert [(p, t) for p, t in _linked_in_form(eng, s, ["nbr2/auto"], ["twin"])] == [("nbr2/auto", None)]
+    assert eng.calls == []
+    assert [p for p, t in _linked_in_form(eng, s, ["nbr2/auto", "nbr2/naive"], ["twin"])] == ["nbr2/auto", "nbr2/naive"]
+    assert [c[0] for c in eng.calls] == ["refine", "unrefine"]  # another policy of the group links refined
+    eng.calls.clear()
+    assert [p for p, t in _linked_in_form(eng, s, ["nbr2/auto"], ["plain"])] == ["nbr2/auto"]
+    assert [c[0] for c in eng.calls] == ["refine", "unrefine"]  # not escalated: links the refined records

@@ -53,24 +53,6 @@ def test_a_key_with_a_twin_in_another_chunk_escalates_and_names_it():
     assert [(t.key, t.lookalike, t.chunk) for t in v.twins] == [("HT-8957-B", "HT-8975-B", 2)]
 
 
-def test_recompute_starts_after_the_first_chunk_holding_the_key_and_no_look_alike():
-    q = "What is the unit price of part HT-8957-B?"
-    assert check(q, [OTHER, PRICE, TWIN]).recompute_from == 2  # the chunks after the asked record's
-    assert check(q, [PRICE, OTHER, TWIN, PRICE]).recompute_from == 1  # the key twice: after its first chunk
-    assert check(q, [TWIN, OTHER, PRICE]).recompute_from == 3  # the twin first: nothing left after the key
-    assert check(q, [TWIN, OTHER, TWIN.replace("8975", "8597")]).recompute_from == 1  # no chunk holds the key
-    assert check(q, [PRICE + " " + TWIN, OTHER, PRICE]).recompute_from == 3  # the key alone: the asked record
-    assert check(q, [OTHER, TWIN, PRICE + " " + TWIN]).recompute_from == 2  # each holding a key has a twin
-    # two keys: `search-api` in both chunks, at the asked version only in the last one
-    ports = [
-        "Service search-api version 1.17.1 listens on 16020.",
-        OTHER,
-        "Service search-api version 1.16.1 listens on 16014.",
-    ]
-    assert check("Which port does search-api version 1.16.1 listen on?", ports).recompute_from == 3
-    assert check(q, [OTHER, PRICE]).recompute_from is None  # not escalated
-
-
 def test_no_escalation_without_a_twin_or_with_both_twins_in_one_chunk():
     q = "What is the unit price of part HT-8957-B?"
     assert not check(q, [OTHER, PRICE]).escalate  # the key, no twin

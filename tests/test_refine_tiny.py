@@ -104,27 +104,15 @@ def test_chunks_sharing_a_neighbour_set_keep_their_refined_form_when_one_is_unre
     tiny_engine.unrefine([y])
 
 
-def test_auto_recomputes_the_chunks_after_the_asked_keys_chunk_in_context_and_answers_as_full_does(tiny_engine):
-    a = "Part HT-8957-B (cable gland) is listed at $923.88 per unit."
-    b = "Part HT-8975-B (hex bolt set) is listed at $547.37 per unit."
-    req = RagRequest(question="What is the unit price of part HT-8957-B?", chunks=[a, OTHER, b])
-    g = tiny_engine.generate(req, max_tokens=2, policy="auto", logprobs=5)
-    assert g.escalated == "lookalike-keys" and g.policy == "query-20"  # the rest linked as auto links them
-    assert g.chunk_keys == [tiny_engine.chunk_key(tiny_engine.chunks.chunk_tokens(a))]  # the only one linked
-    full = tiny_engine.generate(req, max_tokens=2, policy="full", logprobs=5)
-    linked = tiny_engine.generate(req, max_tokens=2, policy="legolink-16", logprobs=5)
-    # a, linked first, has the KV its compile computed behind the same template: exact; OTHER and the twin,
-    # recomputed after it, are too. Linked instead, each has its compiled-alone KV.
-    assert g.linked_tokens > 0 and g.token_ids == full.token_ids and _gap(g, full) < SAME
-    assert _gap(linked, full) > OFF
-
-
-def test_auto_links_a_lookup_whose_look_alikes_all_come_before_the_asked_chunk_or_inside_it(tiny_engine):
+def test_auto_answers_a_lookup_whose_key_has_a_twin_in_another_chunk_as_full_does_and_says_why(tiny_engine):
     a = "Part HT-8957-B (cable gland) is listed at $923.88 per unit."
     b = "Part HT-8975-B (hex bolt set) is listed at $547.37 per unit."
     q = "What is the unit price of part HT-8957-B?"
-    before = tiny_engine.generate(RagRequest(question=q, chunks=[b, OTHER, a]), max_tokens=1, policy="auto")
-    assert before.escalated is None and len(before.chunk_keys) == 3  # nothing after the asked chunk
-    # the twins compiled together in one chunk: that chunk saw both
+    g = tiny_engine.generate(RagRequest(question=q, chunks=[a, b]), max_tokens=2, policy="auto", logprobs=5)
+    assert g.policy == "full" and g.escalated == "lookalike-keys"
+    assert g.recomputed_tokens == g.prompt_tokens and g.chunk_hits == 0  # nothing linked
+    full = tiny_engine.generate(RagRequest(question=q, chunks=[a, b]), max_tokens=2, policy="full", logprobs=5)
+    assert g.token_ids == full.token_ids and _gap(g, full) < SAME
+    # the twins compiled together in one chunk: that chunk saw both, so the request is linked
     one = tiny_engine.generate(RagRequest(question=q, chunks=[f"{a} {b}", OTHER]), max_tokens=1, policy="auto")
-    assert one.policy == "query-20" and one.escalated is None and len(one.chunk_keys) == 2
+    assert one.policy == "query-20" and one.escalated is None

@@ -174,7 +174,7 @@ def run_accuracy(
                 continue
             engine.compile(list(s.chunks))  # outside the timed generations, as a corpus would be
             segs = sample_segments(engine.tokenizer, s)
-            for p, refine_s in _linked_in_form(engine, s, pols):
+            for p, refine_s in _linked_in_form(engine, s, pols, segs):
                 base = refined_policy(p)[1]
                 g = engine.generate(segs, max_tokens=setup[s.task]["max_tokens"], temperature=0.0, policy=base)
                 r = {
@@ -206,10 +206,11 @@ def run_accuracy(
     return [r for r in rows if r["id"] in ids and r["policy"] in policies]
 
 
-def _linked_in_form(engine, s: Sample, pols: list[str]):
+def _linked_in_form(engine, s: Sample, pols: list[str], segs):
     """(policy, refine seconds or None) in the order to run them: plain policies over the plain records first,
     then per K the `nbr<K>/` ones, with the sample's chunks refined behind their K nearest (timed) and linked
-    plain again afterwards, so no other row ever links a refined record."""
+    plain again afterwards, so no other row ever links a refined record. A group of `auto` policies whose guard
+    escalates this sample links nothing, refined or not: it runs without the refine."""
     import time
 
     by_k: dict[int, list[str]] = defaultdict(list)
@@ -219,6 +220,10 @@ def _linked_in_form(engine, s: Sample, pols: list[str]):
         yield p, None
     chunks = list(s.chunks)
     for k, group in sorted(by_k.items()):
+        bases = {refined_policy(p)[1] for p in group}
+        if all(parse_policy(b).kind == "auto" for b in bases) and engine.prepare(segs, policy="auto").escalated:
+            yield from ((p, None) for p in group)
+            continue
         t0 = time.perf_counter()
         if len(chunks) > 1:
             engine.refine_nearest(chunks, k=min(k, len(chunks) - 1))

@@ -14,7 +14,7 @@ from ..config import EngineConfig
 from ..keys import kv_fingerprint, record_key
 from ..matching import ChunkTextIndex
 from ..models import model_fingerprint, resolve_model, tokenizer_fingerprint
-from ..policy import AUTO_PLAIN, AUTO_REFINED, SINK_LEN, parse_policy
+from ..policy import AUTO_ESCALATED, AUTO_PLAIN, AUTO_REFINED, SINK_LEN, parse_policy
 from ..prompt import assemble, compile_lead, compile_lead_behind, encode_glue, render_messages, to_segments
 from ..sampling import check_sampling_options
 from ..store import ChunkKV, ChunkStore, open_shared_tiers, open_store
@@ -220,21 +220,20 @@ class EpicEngine:
         prompt = assemble(
             segments, lambda s: encode_glue(self.tokenizer, s), self.chunks.place, self.max_model_len, sink
         )
-        escalated, chunks = None, prompt.chunks
+        escalated = None
         if pol.kind == "auto":  # every choice drops the sink: the prompt assembled above is theirs
             question = guard.question_text(request, segments)
-            verdict = guard.check(question, (self.tokenizer.decode(c.token_ids) for c in chunks))
-            start = verdict.recompute_from
-            if start is not None and start < len(chunks):
-                # the chunks after the key's own become plain prompt text: the link recomputes them whole, in
-                # context, so a later look-alike record sees the asked one (docs/bench/qwen-escalate)
-                escalated, chunks = verdict.reason, chunks[:start]
-                log.info("auto: %s (%s): chunks %d.. recomputed whole", escalated, guard.describe(verdict), start)
-            refined = bool(chunks) and all(self.chunks.is_refined(c.token_ids) for c in chunks)
-            pol = parse_policy(AUTO_REFINED if refined else AUTO_PLAIN)
+            verdict = guard.check(question, (self.tokenizer.decode(c.token_ids) for c in prompt.chunks))
+            if verdict.escalate:
+                escalated = verdict.reason
+                log.info("auto: escalated to %s (%s: %s)", AUTO_ESCALATED, escalated, guard.describe(verdict))
+                pol = parse_policy(AUTO_ESCALATED)
+            else:
+                refined = bool(prompt.chunks) and all(self.chunks.is_refined(c.token_ids) for c in prompt.chunks)
+                pol = parse_policy(AUTO_REFINED if refined else AUTO_PLAIN)
         return PreparedRequest(
             prompt.token_ids,
-            chunks,
+            prompt.chunks,
             pol,
             min(max_tokens, self.max_model_len - len(prompt.token_ids)),
             float(temperature),

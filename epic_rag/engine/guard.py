@@ -1,5 +1,5 @@
 """The look-alike guard of policy `auto`: whether a request asks for a record that has a look-alike in another
-linked chunk, in which case the chunks after the asked record's are recomputed whole, in context, not linked.
+linked chunk, in which case it is answered by a full prefill instead of a link.
 
 Why: chunks are compiled apart, so a record of one shape in a later chunk never saw the earlier ones; linked,
 it "looks like the first of its kind" and the question's attention can go to it instead of the asked record.
@@ -18,10 +18,7 @@ quotation or a line (names). A look-alike of a key is another word of the chunks
 A near edit: at most max(1, min(2, len // 4)) edits (Damerau-Levenshtein) between words of 2+ characters; an
 inflection such as a plural (option_string / option_strings) never counts. The request is escalated when a key
 has a look-alike and the key and its look-alikes sit in two or more chunks (twins inside one chunk were
-compiled together, and saw each other); the engine then recomputes the chunks after the first one holding the key
-(Verdict.recompute_from), where the wrong answers come from: a look-alike there, compiled alone, never saw the
-asked record, while the chunks before it and its own link as they are (the dev screens in
-docs/bench/qwen-frontier/lookalike-dev.md and docs/bench/qwen-escalate). Nothing after it: nothing escalates.
+compiled together, and saw each other).
 """
 
 from __future__ import annotations
@@ -57,22 +54,10 @@ class Verdict:
 
     reason: str | None
     twins: tuple[Twin, ...] = ()
-    homes: tuple[int, ...] = ()  # the chunks holding a key that has twins (prompt order)
 
     @property
     def escalate(self) -> bool:
         return self.reason is not None
-
-    @property
-    def recompute_from(self) -> int | None:
-        """The first chunk to recompute whole: the one after the asked record's, taken as the first chunk that
-        holds a key and no look-alike (a chunk holding `search-api` at another version holds a look-alike
-        record); where every one holding a key holds a look-alike too, after the first holding either. None
-        when the guard does not escalate."""
-        if not self.escalate:
-            return None
-        near = {t.chunk for t in self.twins}
-        return min([i for i in self.homes if i not in near] or set(self.homes) | near) + 1
 
 
 def question_keys(question: str) -> set[str]:
@@ -130,14 +115,12 @@ def check(question: str, chunks: Iterable[str]) -> Verdict:
         return Verdict(None)
     words = [set(WORD.findall(c)) for c in chunks]
     twins: list[Twin] = []
-    homes: set[int] = set()
     for key in sorted(keys):
         held = {i for i, ws in enumerate(words) if key in ws}
         near = [Twin(key, w, i) for i, ws in enumerate(words) for w in ws if is_lookalike(key, w)]
         if near and len(held | {t.chunk for t in near}) >= 2:
             twins += sorted(near, key=lambda t: (t.chunk, t.lookalike))
-            homes |= held
-    return Verdict(REASON if twins else None, tuple(twins), tuple(sorted(homes)))
+    return Verdict(REASON if twins else None, tuple(twins))
 
 
 def question_text(request: object, segments: Sequence) -> str:
