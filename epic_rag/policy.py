@@ -44,8 +44,9 @@ FAST_POLICY = "legolink-16"
 AUTO_POLICY = "auto"
 AUTO_REFINED, AUTO_PLAIN = FAST_POLICY, "query-20"
 # ... and where its look-alike guard (engine/guard.py) finds the question's key and a near twin of it in two
-# linked chunks, where every link loses to full, a full prefill.
-AUTO_ESCALATED = "full"
+# linked chunks, where every link loses to full, exact KV: vLLM's prefix caching, a full prefill of what its
+# cache lacks (a conversation's earlier turns and the template stay cached, unlike `full`, which reuses nothing).
+AUTO_ESCALATED = "prefix"
 # The engine's (and so the integrations' and the demo's) default.
 DEFAULT_POLICY = AUTO_POLICY
 

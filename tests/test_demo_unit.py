@@ -136,7 +136,7 @@ class FakeEngine:
             recomputed_tokens=20,
             chunk_hits=n_chunks,
             chunk_misses=0,
-            policy="full" if escalated else policy or "legolink-16",
+            policy="prefix" if escalated else policy or "legolink-16",
             finish_reason="length",
             escalated=escalated,
         )
@@ -406,7 +406,7 @@ def test_an_escalated_auto_request_reports_why_in_its_figures_and_metrics(demo):
     ask = [{"role": "user", "content": "What does part HT-8957-B cost?"}]
     e = _chat(client, messages=ask, top_k=4, policy="auto").json()["epic"]
     assert {"gland.txt", "bolt.txt"} <= {s["doc"] for s in e["sources"]}
-    assert e["escalated"] == "lookalike-keys" and e["policy"] == "full" and e["policy_asked"] == "auto"
+    assert e["escalated"] == "lookalike-keys" and e["policy"] == "prefix" and e["policy_asked"] == "auto"
     assert "escalated" not in _chat(client, top_k=1, policy="auto").json()["epic"]  # linked: nothing to say
     assert 'epic_rag_escalated_requests_total{reason="lookalike-keys"} 1.0' in client.get("/metrics").text
 

@@ -104,15 +104,19 @@ def test_chunks_sharing_a_neighbour_set_keep_their_refined_form_when_one_is_unre
     tiny_engine.unrefine([y])
 
 
-def test_auto_answers_a_lookup_whose_key_has_a_twin_in_another_chunk_as_full_does_and_says_why(tiny_engine):
+def test_auto_answers_a_lookup_whose_key_has_a_twin_in_another_chunk_with_exact_kv_and_says_why(tiny_engine):
     a = "Part HT-8957-B (cable gland) is listed at $923.88 per unit."
     b = "Part HT-8975-B (hex bolt set) is listed at $547.37 per unit."
     q = "What is the unit price of part HT-8957-B?"
     g = tiny_engine.generate(RagRequest(question=q, chunks=[a, b]), max_tokens=2, policy="auto", logprobs=5)
-    assert g.policy == "full" and g.escalated == "lookalike-keys"
-    assert g.recomputed_tokens == g.prompt_tokens and g.chunk_hits == 0  # nothing linked
+    assert g.policy == "prefix" and g.escalated == "lookalike-keys"  # exact KV: vLLM's prefix caching
+    assert g.chunk_hits == g.chunk_misses == 0 and g.chunk_keys == []  # nothing linked
     full = tiny_engine.generate(RagRequest(question=q, chunks=[a, b]), max_tokens=2, policy="full", logprobs=5)
     assert g.token_ids == full.token_ids and _gap(g, full) < SAME
+    # unlike `full`, its exact blocks stay in vLLM's prefix cache: the same prompt again (a follow-up turn's
+    # head) is served from it
+    again = tiny_engine.generate(RagRequest(question=q, chunks=[a, b]), max_tokens=1, policy="auto")
+    assert again.policy == "prefix" and again.prefix_cached_tokens > 0 and full.prefix_cached_tokens == 0
     # the twins compiled together in one chunk: that chunk saw both, so the request is linked
     one = tiny_engine.generate(RagRequest(question=q, chunks=[f"{a} {b}", OTHER]), max_tokens=1, policy="auto")
     assert one.policy == "query-20" and one.escalated is None

@@ -15,7 +15,7 @@ def epic_figures(plan: Plan, gen: Generation | None) -> dict:
     if gen is not None:
         if gen.policy != plan.policy:  # auto: the policy it ran, and the name the request gave
             out.update(policy=gen.policy, policy_asked=plan.policy)
-        if gen.escalated:  # auto's guard ran it as a full prefill (engine/guard.py)
+        if gen.escalated:  # auto's guard ran it with exact KV, not a link (engine/guard.py)
             out["escalated"] = gen.escalated
         out.update(
             ttft_s=round(gen.ttft_s, 4),

@@ -160,9 +160,9 @@ def accuracy_markdown(acc: dict, plot: str | None) -> str:
         md += [
             "## Policy `auto`: what its guard escalated",
             "",
-            "Share of each family's requests that `auto`'s look-alike guard ran as a full prefill (the question's "
-            "key has a near twin in another linked chunk), and the median ratio of TTFT to full's on the same "
-            "sample, for the requests it linked and for those it escalated:",
+            "Share of each family's requests that `auto`'s look-alike guard ran with exact KV, not a link (the "
+            "question's key has a near twin in another linked chunk), and the median ratio of TTFT to full's on the "
+            "same sample, for the requests it linked and for those it escalated:",
             "",
         ]
         md += table(

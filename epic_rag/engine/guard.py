@@ -1,5 +1,5 @@
 """The look-alike guard of policy `auto`: whether a request asks for a record that has a look-alike in another
-linked chunk, in which case it is answered by a full prefill instead of a link.
+linked chunk, in which case it is answered with exact KV (policy.AUTO_ESCALATED) instead of a link.
 
 Why: chunks are compiled apart, so a record of one shape in a later chunk never saw the earlier ones; linked,
 it "looks like the first of its kind" and the question's attention can go to it instead of the asked record.
