@@ -1,6 +1,6 @@
 """Dev-split screen: what `auto` could recompute instead of a full prefill when its guard escalates a look-alike
 lookup (not shipped: the best dev variant, after-home, lost to no recompute at all on the test split;
-docs/bench/qwen-escalate/README.md).
+docs/bench/qwen-escalate/escalation.md).
 
 Per look-alike sample (dev split) that the guard escalates: `full` once, then the same prompt linked under
 legolink-16 with a set of chunks recomputed whole, in context (given as plain prompt text), each row one variant:
@@ -41,6 +41,11 @@ def homes(v: guard.Verdict, texts: list[str]) -> set[int]:
     return {i for i, c in enumerate(texts) if keys & set(guard.WORD.findall(c))}
 
 
+def involved(v: guard.Verdict, texts: list[str]) -> set[int]:
+    """The chunks holding a key that has look-alikes, or a look-alike of it."""
+    return homes(v, texts) | {t.chunk for t in v.twins}
+
+
 def after_home(v: guard.Verdict, texts: list[str]) -> int:
     """The chunk after the asked record's, taken as the first holding a key and no look-alike (else the first
     holding either): where the after-home variant starts recomputing."""
@@ -50,7 +55,7 @@ def after_home(v: guard.Verdict, texts: list[str]) -> int:
 
 def variants(v: guard.Verdict, texts: list[str]) -> list[tuple[str, set[int]]]:
     """(name, chunks recomputed whole) of each refined variant."""
-    n, inv = len(texts), homes(v, texts) | {t.chunk for t in v.twins}
+    n, inv = len(texts), involved(v, texts)
     first = min(inv)
     return [
         ("nbr2/none", set()),
@@ -112,7 +117,7 @@ def main() -> None:
             run(eng, dataclasses.replace(prep, policy=parse_policy("full"), chunks=[]), set(), "full", s, out)
             if not v.escalate:
                 continue
-            run(eng, prep, homes(v, texts) | {t.chunk for t in v.twins}, "plain/inv", s, out)
+            run(eng, prep, involved(v, texts), "plain/inv", s, out)
             eng.refine_nearest(chunks, k=2)
             try:
                 for name, drop in variants(v, texts):
